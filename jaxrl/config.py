@@ -1,0 +1,407 @@
+"""Run configuration: typed, frozen dataclasses per concern, loaded from YAML plus dotted overrides.
+
+Every key's type comes from its annotation and every bound or choice is declared once, in the
+field's metadata; one generic validator walks them, so adding a key is a one-line change.
+List-valued keys are stored as tuples (immutable, hashable) and written back as lists.
+"""
+import dataclasses
+import difflib
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+
+import yaml
+
+DTYPES = ("float32", "bfloat16")
+QUANT_MODES = ("nf4", "int4", "none")
+SCALE_DTYPES = ("float32", "bfloat16")
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LOSS_AGGS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
+REWARD_SCALINGS = ("group", "batch", "none")
+SCHEDULES = ("constant", "cosine")
+
+_STRS = tuple[str, ...]
+_FLOATS = tuple[float, ...]
+_TYPE_NAMES = {int: "int", float: "float", bool: "bool", str: "str",
+               _STRS: "list[str]", _FLOATS: "list[float]"}
+_BOUNDS = (("gt", ">", float.__gt__), ("ge", ">=", float.__ge__),
+           ("lt", "<", float.__lt__), ("le", "<=", float.__le__))
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration problem; the message names the dotted key."""
+
+    exit_code = 2
+
+
+class _Loader(yaml.SafeLoader):
+    """safe_load, except that `1e-5` is a float (YAML 1.1 demands a dot: `1.0e-5`)."""
+
+
+class _Dumper(yaml.SafeDumper):
+    """safe_dump that quotes strings such as '1e5' which _Loader would read back as floats."""
+
+
+for _cls in (_Loader, _Dumper):
+    _cls.add_implicit_resolver("tag:yaml.org,2002:float",
+                               re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"),
+                               list("-+0123456789"))
+
+
+def _setting(default, **rules):
+    """A field whose rules live in its metadata: choices, gt/ge/lt/le, even, also (extra allowed
+    values), nonempty, secret (dropped from to_dict/dump_yaml and from repr)."""
+    return field(default=default, metadata=rules, repr=not rules.get("secret", False))
+
+
+class _Group:
+    """Base of every group: lists given on input are stored as tuples."""
+
+    def __post_init__(self):
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, list):
+                object.__setattr__(self, f.name, tuple(value))
+
+
+@dataclass(frozen=True)
+class RunConfig(_Group):
+    """Where a run writes, how many steps it takes, and its seed."""
+    output_dir: str = "runs/quickstart"
+    steps: int = _setting(100, ge=1)
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class ModelConfig(_Group):
+    """Which base model to post-train and the dtype of its unquantized weights."""
+    path: str = "default"  # "default" (embedded SmolLM2-135M-Instruct), a local HF dir or a hub id
+    dtype: str = _setting("bfloat16", choices=DTYPES)
+
+
+@dataclass(frozen=True)
+class QuantConfig(_Group):
+    """How the frozen base weights are quantized."""
+    mode: str = _setting("nf4", choices=QUANT_MODES)
+    block_size: int = _setting(64, gt=0, even=True)  # even: two 4-bit codes pack into one byte
+    double_quant: bool = True
+    scale_dtype: str = _setting("float32", choices=SCALE_DTYPES)
+    skip: _STRS = ("embed_tokens", "norm", "lm_head")
+
+
+@dataclass(frozen=True)
+class LoraConfig(_Group):
+    """The trainable low-rank adapters."""
+    rank: int = _setting(16, ge=1)
+    alpha: float = _setting(32.0, gt=0)
+    targets: _STRS = _setting(LORA_TARGETS, choices=LORA_TARGETS, nonempty=True)
+    dropout: float = _setting(0.0, ge=0, lt=1)
+
+
+@dataclass(frozen=True)
+class MeshConfig(_Group):
+    """Device mesh axis sizes."""
+    data: int = _setting(-1, ge=1, also=(-1,))  # -1: all devices the other axes leave over
+    fsdp: int = _setting(1, ge=1)
+    tensor: int = _setting(1, ge=1)
+
+
+@dataclass(frozen=True)
+class DataConfig(_Group):
+    """Which prompts are trained and evaluated on."""
+    tasks: _STRS = ("arith",)
+    train_file: str = ""
+    eval_file: str = ""
+    prompts_per_step: int = _setting(4, ge=1)
+    max_prompt_tokens: int = _setting(256, ge=1)
+
+
+@dataclass(frozen=True)
+class SamplingConfig(_Group):
+    """How rollouts are decoded."""
+    temperature: float = _setting(1.0, ge=0)  # 0 = greedy
+    top_p: float = _setting(1.0, gt=0, le=1)
+    top_k: int = _setting(0, ge=0)  # 0 = off
+    min_p: float = _setting(0.0, ge=0, lt=1)
+    max_new_tokens: int = _setting(128, ge=1)
+    stop: _STRS = ()
+
+
+@dataclass(frozen=True)
+class GrpoConfig(_Group):
+    """The GRPO objective: group size, KL weight, clipping, loss aggregation."""
+    num_generations: int = _setting(4, ge=2)  # a group of one has no spread to learn from
+    beta: float = _setting(0.04, ge=0)
+    epsilon_low: float = _setting(0.2, ge=0)
+    epsilon_high: float = _setting(0.2, ge=0)
+    loss_agg: str = _setting("seq-mean-token-mean", choices=LOSS_AGGS)
+    num_iterations: int = _setting(1, ge=1)
+    scale_rewards: str = _setting("group", choices=REWARD_SCALINGS)
+    filter_zero_spread: bool = False
+
+
+@dataclass(frozen=True)
+class OptimConfig(_Group):
+    """The optimizer over LoRA parameters."""
+    lr: float = _setting(1e-5, gt=0)
+    max_grad_norm: float = _setting(1.0, ge=0)  # 0 = no clipping
+    weight_decay: float = _setting(0.0, ge=0)
+    warmup_steps: int = _setting(0, ge=0)
+    schedule: str = _setting("constant", choices=SCHEDULES)
+    micro_batch_size: int = _setting(0, ge=0)  # 0 = whole batch
+
+
+@dataclass(frozen=True)
+class RewardsConfig(_Group):
+    """Which reward functions score completions and how the host workers run them."""
+    functions: _STRS = _setting(("correctness", "format"), nonempty=True)
+    weights: _FLOATS = ()  # empty = all 1.0
+    max_staleness: int = _setting(1, choices=(0, 1))
+    workers: int = _setting(2, ge=1)
+    timeout_s: float = _setting(5.0, gt=0)
+
+
+@dataclass(frozen=True)
+class JudgeConfig(_Group):
+    """The OpenAI-compatible LLM judge used by judge-based rewards."""
+    base_url: str = ""
+    model: str = ""
+    api_key_env: str = "OPENAI_API_KEY"
+    api_key: str = _setting("", secret=True)
+    timeout_s: float = _setting(60.0, gt=0)
+    max_retries: int = _setting(3, ge=0)
+    concurrency: int = _setting(8, ge=1)
+    temperature: float = _setting(0.0, ge=0)
+
+
+@dataclass(frozen=True)
+class CheckpointConfig(_Group):
+    """How often checkpoints are written and kept, and whether a run resumes from them."""
+    every: int = _setting(50, ge=0)  # 0 = off
+    keep: int = _setting(3, ge=1)
+    resume: bool = True
+
+
+@dataclass(frozen=True)
+class LoggingConfig(_Group):
+    """What is logged besides metrics.jsonl."""
+    samples_every: int = _setting(10, ge=0)  # 0 = off
+    tensorboard: bool = False
+
+
+@dataclass(frozen=True)
+class Config:
+    """A whole run: one frozen group per concern; Config() is the built-in defaults."""
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    quant: QuantConfig = field(default_factory=QuantConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    grpo: GrpoConfig = field(default_factory=GrpoConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    rewards: RewardsConfig = field(default_factory=RewardsConfig)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+_GROUPS = {f.name: f.type for f in fields(Config)}
+
+
+def _unknown(kind: str, name: str, valid: list[str], label: str, prefix: str = "") -> ConfigError:
+    close = difflib.get_close_matches(name, valid, n=1)
+    hint = f"; did you mean {prefix + close[0]!r}?" if close else ""
+    return ConfigError(f"unknown config {kind} {prefix + name!r}; {label}: "
+                       f"{', '.join(sorted(valid))}{hint}")
+
+
+def _group_class(group: str) -> type:
+    if group not in _GROUPS:
+        raise _unknown("group", group, list(_GROUPS), "valid groups")
+    return _GROUPS[group]
+
+
+def _field_of(group: str, name: str) -> dataclasses.Field:
+    by_name = {f.name: f for f in fields(_group_class(group))}
+    if name not in by_name:
+        raise _unknown("key", name, list(by_name), f"valid keys in {group!r}", prefix=f"{group}.")
+    return by_name[name]
+
+
+def _scalar(typ: type, value):
+    """value as typ, or None when it has another type (a bool is never taken for a number)."""
+    if isinstance(value, bool) != (typ is bool):
+        return None
+    if typ is float and isinstance(value, int):
+        return float(value)
+    return value if isinstance(value, typ) else None
+
+
+def _coerce(key: str, typ, value):
+    """Check value against the key's type: ints widen to floats; list keys take a list or one
+    scalar and store a tuple."""
+    if typ in (_STRS, _FLOATS):
+        items = value if isinstance(value, (list, tuple)) else [value]
+        result = tuple(_scalar(typ.__args__[0], item) for item in items)
+        ok = None not in result
+    else:
+        result = _scalar(typ, value)
+        ok = result is not None
+    if not ok:
+        raise ConfigError(f"config key {key!r} expects {_TYPE_NAMES[typ]}, "
+                          f"got {value!r} ({type(value).__name__})")
+    return result
+
+
+def _check_rules(key: str, value, rules: Mapping) -> None:
+    """Apply a field's declared choices and bounds (to each entry when the value is a list)."""
+    if rules.get("nonempty") and value == ():
+        raise ConfigError(f"config key {key!r} must not be empty; got []")
+    items = value if isinstance(value, tuple) else (value,)
+    must = f"config key {key!r} {'entries ' if isinstance(value, tuple) else ''}must be"
+    for item in items:
+        choices = rules.get("choices")
+        if choices is not None and item not in choices:
+            raise ConfigError(f"{must} one of {', '.join(map(str, choices))}; got {item!r}")
+        if item in rules.get("also", ()):
+            continue
+        bounds = [(sym, rules[name], op) for name, sym, op in _BOUNDS if name in rules]
+        ok = all(op(float(item), float(limit)) for _, limit, op in bounds)
+        parts = [f"{sym} {limit}" for sym, limit, _ in bounds]
+        if rules.get("even"):
+            ok, parts = ok and item % 2 == 0, parts + ["even"]
+        if not ok:
+            also = "".join(f" or {extra}" for extra in rules.get("also", ()))
+            raise ConfigError(f"{must} {' and '.join(parts)}{also}; got {item!r}")
+
+
+def _check_cross(cfg: Config) -> None:
+    weights, functions = cfg.rewards.weights, cfg.rewards.functions
+    if weights and len(weights) != len(functions):
+        raise ConfigError(
+            f"config key 'rewards.weights' has {len(weights)} entries but 'rewards.functions' has "
+            f"{len(functions)} ({', '.join(functions)}); give one weight per function or none")
+
+
+def validate(cfg: Config) -> Config:
+    """Check every key's type, choices and bounds plus cross-key rules; returns cfg normalized
+    (lists as tuples, ints in float keys as floats)."""
+    groups = {}
+    for group in fields(cfg):
+        section = getattr(cfg, group.name)
+        values = {}
+        for f in fields(section):
+            key = f"{group.name}.{f.name}"
+            values[f.name] = _coerce(key, f.type, getattr(section, f.name))
+            _check_rules(key, values[f.name], f.metadata)
+        groups[group.name] = replace(section, **values)
+    cfg = Config(**groups)
+    _check_cross(cfg)
+    return cfg
+
+
+def _build(d) -> Config:
+    """Config from the nested-dict form with YAML-file strictness, not yet validated."""
+    if not isinstance(d, Mapping):
+        raise ConfigError("the top level must be a mapping of group -> mapping of key: value "
+                          f"(e.g. 'grpo: {{beta: 0.04}}'); got {type(d).__name__}")
+    groups = {}
+    for group, section in d.items():
+        group = str(group)
+        cls = _group_class(group)
+        section = {} if section is None else section
+        if not isinstance(section, Mapping):
+            raise ConfigError(f"config group {group!r} must be a mapping of key: value; "
+                              f"got {section!r} ({type(section).__name__})")
+        groups[group] = cls(**{
+            name: _coerce(f"{group}.{name}", _field_of(group, str(name)).type, value)
+            for name, value in section.items()})
+    return Config(**groups)
+
+
+def from_dict(d: Mapping) -> Config:
+    """Config from {group: {key: value}}; missing groups and keys keep their defaults."""
+    return validate(_build(d))
+
+
+def to_dict(cfg: Config, include_secrets: bool = False) -> dict:
+    """{group: {key: value}} of plain values (lists, not tuples); secrets only when asked for."""
+    out = {}
+    for group in fields(cfg):
+        section = getattr(cfg, group.name)
+        values = {f.name: getattr(section, f.name) for f in fields(section)
+                  if include_secrets or not f.metadata.get("secret")}
+        out[group.name] = {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
+    return out
+
+
+def dump_yaml(cfg: Config, path: str | os.PathLike) -> None:
+    """Write cfg (secrets removed) as YAML that load_config reads back to an equal Config."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.dump(to_dict(cfg), Dumper=_Dumper, sort_keys=False), encoding="utf-8")
+
+
+def _parse_cli(typ, text: str):
+    """An override's text as YAML, falling back to the text itself where YAML would give a
+    str key a non-string (`run.output_dir=123`) or a list key a scalar (`lora.targets=q,v`)."""
+    try:
+        value = yaml.load(text, Loader=_Loader)
+    except yaml.YAMLError:
+        value = text
+    if typ is str and not isinstance(value, str):
+        return text
+    if typ in (_STRS, _FLOATS) and not isinstance(value, list):
+        parts = [part.strip() for part in text.split(",") if part.strip()]
+        return parts if typ is _STRS else [_parse_cli(float, part) for part in parts]
+    return value
+
+
+def _override(cfg: Config, overrides: Sequence[str]) -> Config:
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        group, dot, name = key.partition(".")
+        if not sep or not dot:
+            raise ConfigError(f"override {item!r} must have the form group.key=value "
+                              "(e.g. grpo.beta=0.01)")
+        typ = _field_of(group, name).type
+        section = replace(getattr(cfg, group), **{name: _coerce(key, typ, _parse_cli(typ, text))})
+        cfg = replace(cfg, **{group: section})
+    return cfg
+
+
+def apply_overrides(cfg: Config, overrides: Sequence[str]) -> Config:
+    """cfg with each `group.key=value` applied in order (later ones win), then validated."""
+    return validate(_override(cfg, overrides))
+
+
+def _load_file(path: Path) -> Config:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"config file '{path}' does not exist") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read config file '{path}': {e.strerror}") from None
+    try:
+        data = yaml.load(text, Loader=_Loader)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        problem = getattr(e, "problem", None) or getattr(e, "context", None) or e
+        raise ConfigError(f"config file '{path}' is not valid YAML: {where}{problem}") from None
+    try:
+        return Config() if data is None else _build(data)
+    except ConfigError as e:
+        raise ConfigError(f"config file '{path}': {e}") from None
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> Config:
+    """Defaults, updated by the YAML file at path (if any), then by overrides; validated once at
+    the end, so an override may repair what the file alone would fail on."""
+    cfg = Config() if path is None else _load_file(Path(path))
+    return validate(_override(cfg, overrides))

@@ -1,0 +1,1 @@
+"""Decoder-only transformer families as pure functions over parameter pytrees."""

@@ -1,0 +1,119 @@
+"""The decoder forward pass: a pure function of params, tokens and positions.
+
+Glossary: B batch, T tokens in this call, S key slots (T without a cache, the cache length with
+one), E hidden size, F MLP size, H/K query/kv heads, D head dim, V vocab, L layers.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl.model.attention import apply_rope, attend, rope_tables
+from jaxrl.model.families import ModelSpec
+from jaxrl.model.kv_cache import KVCache
+
+Params = dict[str, Any]
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm computed in float32, scaled in the input dtype (as Hugging Face does)."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return scale * xf.astype(x.dtype)
+
+
+def linear(x: jax.Array, p: Params) -> jax.Array:
+    """x [..., in] @ kernel [in, out] (+ bias), accumulated in float32."""
+    y = jnp.einsum("...i,io->...o", x, p["kernel"].astype(x.dtype),
+                   preferred_element_type=jnp.float32)
+    if "bias" in p:
+        y = y + p["bias"]
+    return y.astype(x.dtype)
+
+
+def _attention_mask(attn_mask: jax.Array, t: int, start: jax.Array) -> jax.Array:
+    """[B, T, S]: query t (at slot start + t) sees valid key slots s <= start + t."""
+    s = attn_mask.shape[1]
+    causal = jnp.arange(s)[None, :] <= (start + jnp.arange(t))[:, None]  # [T, S]
+    return causal[None] & attn_mask[:, None, :]
+
+
+def _attention_block(x, lp, rope, mask, spec: ModelSpec, kv_slots):
+    b, t, _ = x.shape
+    q = linear(x, lp["q_proj"]).reshape(b, t, spec.num_heads, spec.head_dim)
+    k = linear(x, lp["k_proj"]).reshape(b, t, spec.num_kv_heads, spec.head_dim)
+    v = linear(x, lp["v_proj"]).reshape(b, t, spec.num_kv_heads, spec.head_dim)
+    if spec.qk_norm:
+        q = rms_norm(q, lp["q_norm"]["scale"], spec.rms_norm_eps)
+        k = rms_norm(k, lp["k_norm"]["scale"], spec.rms_norm_eps)
+    q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+    k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, D]
+    if kv_slots is not None:
+        cache_k, cache_v, start = kv_slots
+        k = jax.lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype), (0, 0, start, 0))
+        v = jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype), (0, 0, start, 0))
+    out = attend(q, k.astype(q.dtype), v.astype(q.dtype), mask)
+    return linear(out, lp["o_proj"]), (k, v)
+
+
+def _mlp_block(x, lp):
+    gate = linear(x, lp["gate_proj"])
+    return linear(jax.nn.silu(gate) * linear(x, lp["up_proj"]), lp["down_proj"])
+
+
+def hidden_states(params: Params, tokens: jax.Array, positions: jax.Array, spec: ModelSpec, *,
+                  attn_mask: jax.Array | None = None, cache: KVCache | None = None):
+    """Final-normed hidden states [B, T, E] and the updated cache (None without one).
+
+    tokens, positions: [B, T] int32. attn_mask marks valid (non-pad) key slots: [B, T] without a
+    cache, [B, S] over the cache slots with one (default: all valid). With a cache the T new
+    tokens are written at slots [cache.index, cache.index + T).
+    """
+    b, t = tokens.shape
+    start = jnp.zeros((), jnp.int32) if cache is None else cache.index
+    if attn_mask is None:
+        attn_mask = jnp.ones((b, t if cache is None else cache.max_len), bool)
+    mask = _attention_mask(attn_mask, t, start)
+    rope = rope_tables(positions, spec)
+    h = params["embed_tokens"]["embedding"][tokens]  # [B, T, E]
+
+    def layer(h, xs):
+        lp, kv = xs
+        kv_slots = None if kv is None else (*kv, start)
+        x = rms_norm(h, lp["input_layernorm"]["scale"], spec.rms_norm_eps)
+        attn, new_kv = _attention_block(x, lp, rope, mask, spec, kv_slots)
+        h = h + attn
+        x = rms_norm(h, lp["post_attention_layernorm"]["scale"], spec.rms_norm_eps)
+        h = h + _mlp_block(x, lp)
+        return h, (new_kv if kv is not None else None)
+
+    kv_in = None if cache is None else (cache.k, cache.v)
+    h, kv_out = jax.lax.scan(layer, h, (params["layers"], kv_in))
+    h = rms_norm(h, params["norm"]["scale"], spec.rms_norm_eps)
+    if cache is None:
+        return h, None
+    return h, KVCache(k=kv_out[0], v=kv_out[1], index=start + t)
+
+
+def lm_logits(params: Params, h: jax.Array, spec: ModelSpec) -> jax.Array:
+    """Logits [..., V] in float32 from hidden states [..., E]."""
+    if spec.tie_word_embeddings:
+        w = params["embed_tokens"]["embedding"]  # [V, E]
+        return jnp.einsum("...e,ve->...v", h, w.astype(h.dtype), preferred_element_type=jnp.float32)
+    w = params["lm_head"]["kernel"]  # [E, V]
+    return jnp.einsum("...e,ev->...v", h, w.astype(h.dtype), preferred_element_type=jnp.float32)
+
+
+def forward(params: Params, tokens: jax.Array, positions: jax.Array, spec: ModelSpec, *,
+            attn_mask: jax.Array | None = None, cache: KVCache | None = None):
+    """Logits [B, T, V] (float32) and the updated cache. See `hidden_states` for the inputs."""
+    h, cache = hidden_states(params, tokens, positions, spec, attn_mask=attn_mask, cache=cache)
+    return lm_logits(params, h, spec), cache
+
+
+def positions_from_mask(mask: jax.Array) -> jax.Array:
+    """Positions [B, T] for a padded batch (left or right): the count of valid tokens before
+    each token; pads get the position of the previous valid token (they are masked anyway)."""
+    return jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=1) - 1, 0)

@@ -1,0 +1,54 @@
+"""jaxrl: GRPO post-training in JAX with LoRA adapters over NF4 base weights."""
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+HERE = Path(__file__).parent
+
+setup(
+    name="jaxrl",
+    version="0.1.0",
+    description="GRPO post-training in JAX: NF4 base weights, LoRA adapters, sharded sampling "
+    "and updates, async Z3 and LLM-judge rewards, PEFT export.",
+    long_description=(HERE / "README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=find_packages(include=["jaxrl", "jaxrl.*"]),
+    package_data={"jaxrl": ["py.typed"]},
+    include_package_data=True,
+    install_requires=[
+        "jax>=0.4.35",
+        "flax>=0.10",
+        "optax>=0.2.4",
+        "orbax-checkpoint>=0.10",
+        "transformers>=4.51",
+        "safetensors>=0.4",
+        "tokenizers>=0.21",
+        "z3-solver>=4.13",
+        "datasets>=3.0",
+        "tensorstore>=0.1.70",
+        "openai>=1.50",
+        "grain>=0.2.10",
+        "numpy>=1.26",
+        "pyyaml>=6.0",
+        "rich>=13.0",
+        "gguf>=0.10",
+    ],
+    extras_require={
+        "test": [
+            "pytest>=8.0",
+            "torch==2.13.0",
+            "peft>=0.14",
+            "hypothesis>=6.100",
+        ],
+        "tpu": ["jax[tpu]"],
+        "gpu": ["jax[cuda12]"],
+    },
+    entry_points={"console_scripts": ["jaxrl=jaxrl.cli:main"]},
+    classifiers=[
+        "Programming Language :: Python :: 3",
+        "License :: OSI Approved :: Apache Software License",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
+)
