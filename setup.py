@@ -22,7 +22,7 @@ setup(
         "flax>=0.10",
         "optax>=0.2.4",
         "orbax-checkpoint>=0.10",
-        "transformers>=4.51",
+        "transformers>=4.56",
         "safetensors>=0.4",
         "tokenizers>=0.21",
         "z3-solver>=4.13",
@@ -33,7 +33,7 @@ setup(
         "numpy>=1.26",
         "pyyaml>=6.0",
         "rich>=13.0",
-        "gguf>=0.10",
+        "gguf>=0.19",
     ],
     extras_require={
         "test": [
@@ -41,6 +41,7 @@ setup(
             "torch==2.13.0",
             "peft>=0.14",
             "hypothesis>=6.100",
+            "bitsandbytes>=0.45",
         ],
         "tpu": ["jax[tpu]"],
         "gpu": ["jax[cuda12]"],

@@ -26,7 +26,7 @@ def hf_config(family: str, *, tie: bool = False, rope_scaling: dict | None = Non
     if family == "qwen3":
         kw["head_dim"] = 32  # differs from hidden / heads, as in real Qwen3 models
     if rope_scaling is not None:
-        kw["rope_scaling"] = rope_scaling
+        kw["rope_scaling"] = dict(rope_scaling)  # transformers mutates it
     kw.update(extra)
     return config_cls(**kw)
 

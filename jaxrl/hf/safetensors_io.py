@@ -39,6 +39,14 @@ def _header(buf: mmap.mmap, path: Path) -> tuple[dict, int]:
     return header, 8 + n
 
 
+def read_header(path: str | Path) -> dict:
+    """{name: {"dtype", "shape", "data_offsets"}} without reading any tensor data."""
+    path = Path(path)
+    with open(path, "rb") as f:
+        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    return _header(buf, path)[0]
+
+
 def iter_tensors(path: str | Path) -> Iterator[tuple[str, np.ndarray]]:
     """Yields (name, read-only array view) for each tensor in one file, in file order."""
     path = Path(path)

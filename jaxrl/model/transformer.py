@@ -10,9 +10,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxrl.lora.lora import Lora, lora_delta
 from jaxrl.model.attention import apply_rope, attend, rope_tables
 from jaxrl.model.families import ModelSpec
 from jaxrl.model.kv_cache import KVCache
+from jaxrl.model.params import LINEAR_NAMES
 
 Params = dict[str, Any]
 
@@ -33,6 +35,17 @@ def linear(x: jax.Array, p: Params) -> jax.Array:
     return y.astype(x.dtype)
 
 
+def _projector(lp: Params, ll: Params | None, lora: Lora | None, rng: jax.Array | None):
+    """proj(name, x): layer linear `name` applied to x, plus its adapter when it has one."""
+    def proj(name: str, x: jax.Array) -> jax.Array:
+        y = linear(x, lp[name])
+        if ll is not None and name in ll:
+            key = None if rng is None else jax.random.fold_in(rng, LINEAR_NAMES.index(name))
+            y = y + lora_delta(x, ll[name], lora.scale, lora.dropout, key)
+        return y
+    return proj
+
+
 def _attention_mask(attn_mask: jax.Array, t: int, start: jax.Array) -> jax.Array:
     """[B, T, S]: query t (at slot start + t) sees valid key slots s <= start + t."""
     s = attn_mask.shape[1]
@@ -40,11 +53,11 @@ def _attention_mask(attn_mask: jax.Array, t: int, start: jax.Array) -> jax.Array
     return causal[None] & attn_mask[:, None, :]
 
 
-def _attention_block(x, lp, rope, mask, spec: ModelSpec, kv_slots):
+def _attention_block(x, proj, lp, rope, mask, spec: ModelSpec, kv_slots):
     b, t, _ = x.shape
-    q = linear(x, lp["q_proj"]).reshape(b, t, spec.num_heads, spec.head_dim)
-    k = linear(x, lp["k_proj"]).reshape(b, t, spec.num_kv_heads, spec.head_dim)
-    v = linear(x, lp["v_proj"]).reshape(b, t, spec.num_kv_heads, spec.head_dim)
+    q = proj("q_proj", x).reshape(b, t, spec.num_heads, spec.head_dim)
+    k = proj("k_proj", x).reshape(b, t, spec.num_kv_heads, spec.head_dim)
+    v = proj("v_proj", x).reshape(b, t, spec.num_kv_heads, spec.head_dim)
     if spec.qk_norm:
         q = rms_norm(q, lp["q_norm"]["scale"], spec.rms_norm_eps)
         k = rms_norm(k, lp["k_norm"]["scale"], spec.rms_norm_eps)
@@ -55,18 +68,20 @@ def _attention_block(x, lp, rope, mask, spec: ModelSpec, kv_slots):
         k = jax.lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype), (0, 0, start, 0))
         v = jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype), (0, 0, start, 0))
     out = attend(q, k.astype(q.dtype), v.astype(q.dtype), mask)
-    return linear(out, lp["o_proj"]), (k, v)
+    return proj("o_proj", out), (k, v)
 
 
-def _mlp_block(x, lp):
-    gate = linear(x, lp["gate_proj"])
-    return linear(jax.nn.silu(gate) * linear(x, lp["up_proj"]), lp["down_proj"])
+def _mlp_block(x, proj):
+    return proj("down_proj", jax.nn.silu(proj("gate_proj", x)) * proj("up_proj", x))
 
 
 def hidden_states(params: Params, tokens: jax.Array, positions: jax.Array, spec: ModelSpec, *,
-                  attn_mask: jax.Array | None = None, cache: KVCache | None = None):
+                  attn_mask: jax.Array | None = None, cache: KVCache | None = None,
+                  lora: Lora | None = None, rng: jax.Array | None = None):
     """Final-normed hidden states [B, T, E] and the updated cache (None without one).
 
+    lora: adapters added to their target linears (None = the frozen base alone, which is also
+    the GRPO reference policy). rng: key for LoRA dropout (None = no dropout, as in eval).
     tokens, positions: [B, T] int32. attn_mask marks valid (non-pad) key slots: [B, T] without a
     cache, [B, S] over the cache slots with one (default: all valid). With a cache the T new
     tokens are written at slots [cache.index, cache.index + T).
@@ -80,17 +95,21 @@ def hidden_states(params: Params, tokens: jax.Array, positions: jax.Array, spec:
     h = params["embed_tokens"]["embedding"][tokens]  # [B, T, E]
 
     def layer(h, xs):
-        lp, kv = xs
+        lp, ll, kv, key = xs
+        proj = _projector(lp, ll, lora, key)
         kv_slots = None if kv is None else (*kv, start)
         x = rms_norm(h, lp["input_layernorm"]["scale"], spec.rms_norm_eps)
-        attn, new_kv = _attention_block(x, lp, rope, mask, spec, kv_slots)
+        attn, new_kv = _attention_block(x, proj, lp, rope, mask, spec, kv_slots)
         h = h + attn
         x = rms_norm(h, lp["post_attention_layernorm"]["scale"], spec.rms_norm_eps)
-        h = h + _mlp_block(x, lp)
+        h = h + _mlp_block(x, proj)
         return h, (new_kv if kv is not None else None)
 
     kv_in = None if cache is None else (cache.k, cache.v)
-    h, kv_out = jax.lax.scan(layer, h, (params["layers"], kv_in))
+    ll = None if lora is None else lora.weights["layers"]
+    use_dropout = lora is not None and lora.dropout > 0 and rng is not None
+    keys = jax.random.split(rng, spec.num_layers) if use_dropout else None
+    h, kv_out = jax.lax.scan(layer, h, (params["layers"], ll, kv_in, keys))
     h = rms_norm(h, params["norm"]["scale"], spec.rms_norm_eps)
     if cache is None:
         return h, None
@@ -107,9 +126,11 @@ def lm_logits(params: Params, h: jax.Array, spec: ModelSpec) -> jax.Array:
 
 
 def forward(params: Params, tokens: jax.Array, positions: jax.Array, spec: ModelSpec, *,
-            attn_mask: jax.Array | None = None, cache: KVCache | None = None):
+            attn_mask: jax.Array | None = None, cache: KVCache | None = None,
+            lora: Lora | None = None, rng: jax.Array | None = None):
     """Logits [B, T, V] (float32) and the updated cache. See `hidden_states` for the inputs."""
-    h, cache = hidden_states(params, tokens, positions, spec, attn_mask=attn_mask, cache=cache)
+    h, cache = hidden_states(params, tokens, positions, spec, attn_mask=attn_mask, cache=cache,
+                             lora=lora, rng=rng)
     return lm_logits(params, h, spec), cache
 
 

@@ -1,0 +1,1 @@
+"""Hugging Face interop: checkpoints, GGUF conversion, the embedded default model."""

@@ -1,0 +1,1 @@
+"""Low-rank adapters: a pytree separate from the frozen base weights."""

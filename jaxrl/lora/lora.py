@@ -1,0 +1,70 @@
+"""LoRA parameters, applied inside the forward, and merged for export.
+
+Per target linear: A [L, in, r], B [L, r, out], output += scale * dropout(x) @ A @ B with
+scale = alpha / r. A starts as PEFT starts it (kaiming-uniform with a = sqrt(5), i.e.
+U(-1/sqrt(in), 1/sqrt(in))) and B at zero, so a fresh adapter leaves the model unchanged.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxrl.model.families import ModelSpec
+from jaxrl.model.params import LINEAR_NAMES, linear_shape
+
+
+@struct.dataclass
+class Lora:
+    """Adapter weights {"layers": {target: {"a": [L, in, r], "b": [L, r, out]}}} plus the
+    static scale and dropout rate (not differentiated, not optimized)."""
+
+    weights: dict[str, Any]
+    scale: float = struct.field(pytree_node=False)
+    dropout: float = struct.field(pytree_node=False, default=0.0)
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        return tuple(self.weights["layers"])
+
+    @property
+    def rank(self) -> int:
+        first = next(iter(self.weights["layers"].values()))
+        return first["a"].shape[-1]
+
+
+def init_lora(spec: ModelSpec, key: jax.Array, *, rank: int, alpha: float,
+              targets: tuple[str, ...] = LINEAR_NAMES, dropout: float = 0.0,
+              dtype=jnp.float32) -> Lora:
+    unknown = [t for t in targets if t not in LINEAR_NAMES]
+    if unknown:
+        raise ValueError(f"LoRA targets {unknown} are not linears; choose from {LINEAR_NAMES}")
+    layers = {}
+    for k, name in zip(jax.random.split(key, len(targets)), targets):
+        fan_in, fan_out = linear_shape(spec, name)
+        bound = 1.0 / fan_in ** 0.5
+        a = jax.random.uniform(k, (spec.num_layers, fan_in, rank), jnp.float32, -bound, bound)
+        layers[name] = {"a": a.astype(dtype),
+                        "b": jnp.zeros((spec.num_layers, rank, fan_out), dtype)}
+    return Lora(weights={"layers": layers}, scale=alpha / rank, dropout=dropout)
+
+
+def lora_delta(x: jax.Array, ab: dict[str, jax.Array], scale: float,
+               dropout: float = 0.0, rng: jax.Array | None = None) -> jax.Array:
+    """scale * dropout(x) @ A @ B for one layer's A [in, r], B [r, out]; x [..., in]."""
+    if dropout > 0.0 and rng is not None:
+        keep = jax.random.bernoulli(rng, 1.0 - dropout, x.shape)
+        x = jnp.where(keep, x / (1.0 - dropout), 0).astype(x.dtype)
+    xa = jnp.einsum("...i,ir->...r", x, ab["a"].astype(x.dtype), preferred_element_type=jnp.float32)
+    y = jnp.einsum("...r,ro->...o", xa.astype(x.dtype), ab["b"].astype(x.dtype),
+                   preferred_element_type=jnp.float32)
+    return (scale * y).astype(x.dtype)
+
+
+def merged_kernel(kernel: jax.Array, ab: dict[str, jax.Array], scale: float) -> jax.Array:
+    """Dense kernel [..., in, out] + scale * A @ B, in float32 (for export and checks)."""
+    delta = jnp.einsum("...ir,...ro->...io", ab["a"].astype(jnp.float32),
+                       ab["b"].astype(jnp.float32))
+    return kernel.astype(jnp.float32) + scale * delta

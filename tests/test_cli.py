@@ -1,0 +1,45 @@
+"""The `jaxrl` command: help, model info, exit codes."""
+import subprocess
+import sys
+
+import pytest
+
+from jaxrl.cli import main
+from tests.tiny_models import make_model
+
+
+def test_help_lists_verbs(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    assert "model" in capsys.readouterr().out
+
+
+def test_model_info_on_local_dir(tmp_path, capsys):
+    make_model("qwen3").save_pretrained(tmp_path)
+    assert main(["model", "info", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "qwen3" in out and "layers" in out and "float32" in out
+    # 2 layers * (3 linears of 64x(128|64|64)... ) -- the exact count is the declared one
+    from jaxrl.model.families import load_spec
+    from jaxrl.model.params import count_params
+    assert f"{count_params(load_spec(tmp_path)):,}" in out
+
+
+def test_model_info_bad_path_exits_2(tmp_path, capsys):
+    assert main(["model", "info", str(tmp_path / "nope")]) == 2
+    assert "nope" in capsys.readouterr().err
+
+
+def test_model_info_unsupported_architecture_exits_1(tmp_path, capsys):
+    make_model("llama").save_pretrained(tmp_path)
+    cfg = (tmp_path / "config.json").read_text().replace('"silu"', '"gelu"')
+    (tmp_path / "config.json").write_text(cfg)
+    assert main(["model", "info", str(tmp_path)]) == 1
+    assert "hidden_act 'gelu'" in capsys.readouterr().err
+
+
+def test_unknown_verb_exits_2():
+    proc = subprocess.run([sys.executable, "-m", "jaxrl.cli", "fly"], capture_output=True,
+                          text=True)
+    assert proc.returncode == 2 and "invalid choice" in proc.stderr

@@ -1,0 +1,18 @@
+"""README promises: CI runs exactly the README's test command."""
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _fenced_commands(text: str) -> list[str]:
+    blocks = re.findall(r"```bash\n(.*?)```", text, flags=re.S)
+    return [line.strip() for b in blocks for line in b.splitlines() if line.strip()]
+
+
+def test_ci_runs_the_readme_test_command():
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Tests", 1)[1].split("\n## ", 1)[0]
+    (command,) = _fenced_commands(section)
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert command in [line.strip() for line in ci]
