@@ -1,7 +1,9 @@
 """Load a Hugging Face checkpoint directory into a jaxrl param pytree.
 
-Shards are read one at a time through mmap; each tensor is copied once into its preallocated
-(stacked) host array, so peak host memory stays near one copy of the weights.
+Shards are read one at a time through mmap and each tensor is placed as it is read: dense params
+into preallocated (stacked) host arrays, quantized kernels quantized layer by layer. Peak host
+memory stays near one copy of the stored model (dense) or one full-precision tensor plus the
+quantized model (NF4 / int4).
 """
 from __future__ import annotations
 
@@ -13,10 +15,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl.config import QuantConfig
 from jaxrl.hf.keymap import KeyMapError, Slot, key_table
 from jaxrl.hf.safetensors_io import iter_tensors
 from jaxrl.model.families import ModelSpec, load_spec
 from jaxrl.model.params import declare, unflatten
+from jaxrl.quant.nf4 import QTensor, quantize_np
+from jaxrl.quant.qparams import quantized_paths
 
 
 def shard_files(model_dir: str | Path) -> list[Path]:
@@ -41,20 +46,50 @@ def iter_checkpoint(model_dir: str | Path) -> Iterator[tuple[str, np.ndarray]]:
         yield from iter_tensors(path)
 
 
-def _place(host: dict[str, np.ndarray], slot: Slot, key: str, value: np.ndarray) -> None:
-    if slot.transpose:
-        value = value.T
-    target = host[slot.path] if slot.layer is None else host[slot.path][slot.layer]
-    if target.shape != value.shape:
-        raise KeyMapError(f"checkpoint tensor {key!r} has shape {value.shape[::-1] if slot.transpose else value.shape}"
-                          f"; the config implies {target.shape[::-1] if slot.transpose else target.shape}")
-    target[...] = value
+class _HostParams:
+    """Host-side params being filled tensor by tensor."""
+
+    def __init__(self, spec: ModelSpec, dtype: np.dtype, quant: QuantConfig | None):
+        self.decls, self.dtype, self.quant = declare(spec), dtype, quant
+        self.qpaths = quantized_paths(spec, quant)
+        self.dense = {p: np.empty(d.shape, dtype) for p, d in self.decls.items()
+                      if p not in self.qpaths}
+        self.qparts: dict[str, dict[int | None, QTensor]] = {p: {} for p in self.qpaths}
+
+    def place(self, slot: Slot, key: str, value: np.ndarray) -> None:
+        value = value.T if slot.transpose else value
+        shape = self.decls[slot.path].shape[0 if slot.layer is None else 1:]
+        if tuple(value.shape) != tuple(shape):
+            stored = value.shape[::-1] if slot.transpose else value.shape
+            implied = shape[::-1] if slot.transpose else shape
+            raise KeyMapError(f"checkpoint tensor {key!r} has shape {tuple(stored)}; "
+                              f"the config implies {tuple(implied)}")
+        if slot.path in self.qpaths:
+            q = quantize_np(np.asarray(value, np.float32), self.quant.block_size,
+                            self.quant.mode, self.quant.double_quant, self.quant.scale_dtype)
+            self.qparts[slot.path][slot.layer] = q.replace(dtype=self.dtype.name)
+        elif slot.layer is None:
+            self.dense[slot.path][...] = value
+        else:
+            self.dense[slot.path][slot.layer] = value
+
+    def finish(self) -> dict[str, Any]:
+        """{path: array or QTensor}; per-layer QTensors are stacked along the layer axis."""
+        out: dict[str, Any] = dict(self.dense)
+        for path, parts in self.qparts.items():
+            if None in parts:
+                out[path] = parts[None]
+            else:
+                layers = [parts[i] for i in sorted(parts)]
+                out[path] = jax.tree_util.tree_map(lambda *xs: np.stack(xs), *layers)
+        return out
 
 
-def load_host_params(model_dir: str | Path, spec: ModelSpec, dtype=np.float32):
-    """Numpy params {path: array} in `dtype`; raises on unmapped, missing or duplicate keys."""
+def load_host_params(model_dir: str | Path, spec: ModelSpec, dtype=np.float32,
+                     quant: QuantConfig | None = None) -> dict[str, Any]:
+    """Host params {path: array or QTensor}; raises on unmapped, missing or duplicate keys."""
     table = key_table(spec)
-    host = {p: np.empty(d.shape, dtype) for p, d in declare(spec).items()}
+    host = _HostParams(spec, np.dtype(dtype), quant)
     seen: set[str] = set()
     tied_head = None
     for key, value in iter_checkpoint(model_dir):
@@ -68,21 +103,25 @@ def load_host_params(model_dir: str | Path, spec: ModelSpec, dtype=np.float32):
         if slot is None:
             raise KeyMapError(f"checkpoint key {key!r} maps to no jaxrl param "
                               f"(family {spec.family})")
-        _place(host, slot, key, value)
+        host.place(slot, key, value)
     missing = sorted(set(table) - seen)
     if missing:
         raise KeyMapError(f"checkpoint misses {len(missing)} keys, e.g. {missing[:5]}")
-    if tied_head is not None and not np.array_equal(tied_head, host["embed_tokens/embedding"]):
+    params = host.finish()
+    if tied_head is not None and not np.array_equal(
+            np.asarray(tied_head, params["embed_tokens/embedding"].dtype),
+            params["embed_tokens/embedding"]):
         raise KeyMapError("checkpoint has an lm_head.weight that differs from the embedding, "
                           "but config.json says tie_word_embeddings")
-    return host
+    return params
 
 
-def load_params(model_dir: str | Path, spec: ModelSpec | None = None,
-                dtype=jnp.float32) -> tuple[ModelSpec, dict[str, Any]]:
-    """(spec, params pytree of device arrays) from a local HF directory."""
+def load_params(model_dir: str | Path, spec: ModelSpec | None = None, dtype=jnp.float32,
+                quant: QuantConfig | None = None) -> tuple[ModelSpec, dict[str, Any]]:
+    """(spec, params pytree of device arrays) from a local HF directory; linear kernels are
+    quantized while loading when `quant.mode` is nf4 or int4."""
     spec = spec or load_spec(model_dir)
-    host = load_host_params(model_dir, spec, np.dtype(dtype))
+    host = load_host_params(model_dir, spec, np.dtype(dtype), quant)
     params = {}
     for path in list(host):
         params[path] = jax.device_put(host.pop(path))  # free each host copy as it moves

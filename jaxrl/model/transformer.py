@@ -15,6 +15,7 @@ from jaxrl.model.attention import apply_rope, attend, rope_tables
 from jaxrl.model.families import ModelSpec
 from jaxrl.model.kv_cache import KVCache
 from jaxrl.model.params import LINEAR_NAMES
+from jaxrl.quant.nf4 import as_dense
 
 Params = dict[str, Any]
 
@@ -27,8 +28,9 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
 
 
 def linear(x: jax.Array, p: Params) -> jax.Array:
-    """x [..., in] @ kernel [in, out] (+ bias), accumulated in float32."""
-    y = jnp.einsum("...i,io->...o", x, p["kernel"].astype(x.dtype),
+    """x [..., in] @ kernel [in, out] (+ bias), accumulated in float32; the kernel may be a
+    quantized QTensor."""
+    y = jnp.einsum("...i,io->...o", x, as_dense(p["kernel"], x.dtype),
                    preferred_element_type=jnp.float32)
     if "bias" in p:
         y = y + p["bias"]
@@ -77,11 +79,13 @@ def _mlp_block(x, proj):
 
 def hidden_states(params: Params, tokens: jax.Array, positions: jax.Array, spec: ModelSpec, *,
                   attn_mask: jax.Array | None = None, cache: KVCache | None = None,
-                  lora: Lora | None = None, rng: jax.Array | None = None):
+                  lora: Lora | None = None, rng: jax.Array | None = None, remat: bool = False):
     """Final-normed hidden states [B, T, E] and the updated cache (None without one).
 
     lora: adapters added to their target linears (None = the frozen base alone, which is also
     the GRPO reference policy). rng: key for LoRA dropout (None = no dropout, as in eval).
+    remat: recompute each layer in the backward pass instead of saving its intermediates; this
+    also keeps dequantized NF4 weights from being saved for the backward, one per layer.
     tokens, positions: [B, T] int32. attn_mask marks valid (non-pad) key slots: [B, T] without a
     cache, [B, S] over the cache slots with one (default: all valid). With a cache the T new
     tokens are written at slots [cache.index, cache.index + T).
@@ -109,7 +113,8 @@ def hidden_states(params: Params, tokens: jax.Array, positions: jax.Array, spec:
     ll = None if lora is None else lora.weights["layers"]
     use_dropout = lora is not None and lora.dropout > 0 and rng is not None
     keys = jax.random.split(rng, spec.num_layers) if use_dropout else None
-    h, kv_out = jax.lax.scan(layer, h, (params["layers"], ll, kv_in, keys))
+    body = jax.checkpoint(layer) if remat else layer
+    h, kv_out = jax.lax.scan(body, h, (params["layers"], ll, kv_in, keys))
     h = rms_norm(h, params["norm"]["scale"], spec.rms_norm_eps)
     if cache is None:
         return h, None
@@ -121,16 +126,16 @@ def lm_logits(params: Params, h: jax.Array, spec: ModelSpec) -> jax.Array:
     if spec.tie_word_embeddings:
         w = params["embed_tokens"]["embedding"]  # [V, E]
         return jnp.einsum("...e,ve->...v", h, w.astype(h.dtype), preferred_element_type=jnp.float32)
-    w = params["lm_head"]["kernel"]  # [E, V]
-    return jnp.einsum("...e,ev->...v", h, w.astype(h.dtype), preferred_element_type=jnp.float32)
+    w = as_dense(params["lm_head"]["kernel"], h.dtype)  # [E, V]
+    return jnp.einsum("...e,ev->...v", h, w, preferred_element_type=jnp.float32)
 
 
 def forward(params: Params, tokens: jax.Array, positions: jax.Array, spec: ModelSpec, *,
             attn_mask: jax.Array | None = None, cache: KVCache | None = None,
-            lora: Lora | None = None, rng: jax.Array | None = None):
+            lora: Lora | None = None, rng: jax.Array | None = None, remat: bool = False):
     """Logits [B, T, V] (float32) and the updated cache. See `hidden_states` for the inputs."""
     h, cache = hidden_states(params, tokens, positions, spec, attn_mask=attn_mask, cache=cache,
-                             lora=lora, rng=rng)
+                             lora=lora, rng=rng, remat=remat)
     return lm_logits(params, h, spec), cache
 
 

@@ -239,3 +239,11 @@ def quantized_bytes_per_param(shape: tuple[int, ...], block_size: int = 64,
         slice_scale_bytes = n_scales * jnp.dtype(scale_dtype).itemsize
     n = math.prod(shape)
     return (n // 2 + n_slices * slice_scale_bytes) / n
+
+
+def as_dense(w: Any, dtype: Any) -> jax.Array:
+    """A kernel ready for a matmul in `dtype`: dequantized when it is a QTensor.
+
+    Called inside the per-layer body of the forward, so only one layer's dense weights exist at
+    a time."""
+    return dequantize(w, dtype) if isinstance(w, QTensor) else w.astype(dtype)

@@ -15,8 +15,17 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from jaxrl.hf.default_model import (
-    DEFAULT_MODEL_NAME, MANIFEST_NAME, PACKAGE_SPEC, WHEEL_FILENAME, DefaultModelError,
-    ModelPathError, cache_root, manifest_problem, prepare_default, resolve_model_path)
+    DEFAULT_MODEL_NAME,
+    MANIFEST_NAME,
+    PACKAGE_SPEC,
+    WHEEL_FILENAME,
+    DefaultModelError,
+    ModelPathError,
+    cache_root,
+    manifest_problem,
+    prepare_default,
+    resolve_model_path,
+)
 
 UNREACHABLE_PIP = {
     "PIP_INDEX_URL": "http://127.0.0.1:9/simple",  # discard port: nothing listens

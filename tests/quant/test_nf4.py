@@ -5,7 +5,13 @@ import numpy as np
 import pytest
 
 from jaxrl.quant.nf4 import (
-    INT4_CODEBOOK, NF4_CODEBOOK, QTensor, dequantize, dequantize_np, nbytes, quantize_np,
+    INT4_CODEBOOK,
+    NF4_CODEBOOK,
+    QTensor,
+    dequantize,
+    dequantize_np,
+    nbytes,
+    quantize_np,
     quantized_bytes_per_param,
 )
 

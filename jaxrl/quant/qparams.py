@@ -1,0 +1,55 @@
+"""Which params are quantized, and their abstract (shape-only) quantized form.
+
+Abstract params let memory plans and compile checks run for any model size without weights.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl.config import QuantConfig
+from jaxrl.model.families import ModelSpec
+from jaxrl.model.params import abstract_params, declare, flatten, unflatten
+from jaxrl.quant.nf4 import DQ_GROUP, QTensor, nbytes
+
+
+def quantized_paths(spec: ModelSpec, quant: QuantConfig | None) -> set[str]:
+    """Param paths stored quantized: linear kernels whose module is not in `quant.skip`.
+    Embeddings and norms are never quantized."""
+    if quant is None or quant.mode == "none":
+        return set()
+    return {p for p in declare(spec)
+            if p.endswith("/kernel") and p.split("/")[-2] not in quant.skip}
+
+
+def abstract_qtensor(shape: tuple[int, ...], quant: QuantConfig, dtype=jnp.bfloat16) -> QTensor:
+    """A QTensor of ShapeDtypeStructs for a dense kernel of `shape` [..., I, O]."""
+    *lead, n_in, n_out = shape
+    blocks = (*lead, n_in // quant.block_size, n_out)
+    sds = jax.ShapeDtypeStruct
+    codes = sds((*lead, n_in // 2, n_out), jnp.uint8)
+    name = jnp.dtype(dtype).name
+    if not quant.double_quant:
+        return QTensor(codes, sds(blocks, jnp.dtype(quant.scale_dtype)), quant.block_size,
+                       quant.mode, name)
+    groups = -(-(blocks[-2] * n_out) // DQ_GROUP)
+    return QTensor(codes, sds(blocks, jnp.uint8), quant.block_size, quant.mode, name,
+                   sds((*lead, groups), jnp.float32), sds(tuple(lead), jnp.float32))
+
+
+def abstract_quantized_params(spec: ModelSpec, quant: QuantConfig | None,
+                              dtype=jnp.bfloat16) -> dict[str, Any]:
+    """The params pytree as ShapeDtypeStructs, with quantized kernels as abstract QTensors."""
+    flat = flatten(abstract_params(spec, dtype))
+    for path in quantized_paths(spec, quant):
+        flat[path] = abstract_qtensor(flat[path].shape, quant, dtype)
+    return unflatten(flat)
+
+
+def resident_bytes(params: dict[str, Any]) -> int:
+    """Bytes of every array leaf (concrete or abstract) of a params pytree."""
+    return sum(nbytes(leaf) if isinstance(leaf, QTensor) else leaf.size * leaf.dtype.itemsize
+               for leaf in jax.tree_util.tree_leaves(
+                   params, is_leaf=lambda x: isinstance(x, QTensor)))
