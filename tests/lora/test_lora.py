@@ -132,11 +132,12 @@ def test_fresh_lora_leaves_logits_unchanged(saved, batch, family):
 # 3. parity with PEFT
 
 
-def peft_model(family, lora: Lora, spec, *, requires_grad=False):
-    """The tiny torch model wrapped by PEFT, with `lora`'s A and B copied in."""
+def peft_model(family, lora: Lora, spec, alpha):
+    """The tiny torch model wrapped by PEFT (rank, alpha, targets as given), with `lora`'s A and B
+    copied in. alpha is passed, not derived from lora.scale, so a wrong scale cannot hide."""
     from peft import LoraConfig, get_peft_model
 
-    config = LoraConfig(r=lora.rank, lora_alpha=lora.scale * lora.rank,
+    config = LoraConfig(r=lora.rank, lora_alpha=alpha,
                         target_modules=list(lora.targets), lora_dropout=0.0)
     model = get_peft_model(make_model(family), config)
     params = dict(model.named_parameters())
@@ -167,13 +168,13 @@ PARITY = [(f, RANK, ALPHA, LINEAR_NAMES) for f in FAMILIES] + [
 
 
 @pytest.mark.parametrize("family,rank,alpha,targets", PARITY,
-                         ids=lambda c: c if isinstance(c, str) else None)
+                         ids=[f"{f}-r{r}-{len(t)}targets" for f, r, _, t in PARITY])
 def test_logits_match_peft(saved, batch, family, rank, alpha, targets):
     _, spec, params = saved[family]
     tokens, mask = batch
     lora = random_lora(spec, seed=3, rank=rank, alpha=alpha, targets=targets)
     assert lora.scale == alpha / rank
-    ref = _torch_logits(peft_model(family, lora, spec), tokens, mask)
+    ref = _torch_logits(peft_model(family, lora, spec, alpha), tokens, mask)
     got = np.asarray(_logits(params, tokens, mask, spec, lora))
     base = np.asarray(_logits(params, tokens, mask, spec))
     m = np.asarray(mask)
@@ -276,7 +277,7 @@ def test_lora_grads_match_torch_autograd_through_peft(saved, batch, family):
     grads = jax.jit(jax.grad(loss, argnums=1), static_argnames="spec")(
         params, lora, tokens, mask, spec=spec)
 
-    model = peft_model(family, lora, spec)
+    model = peft_model(family, lora, spec, ALPHA)
     logits = model(input_ids=torch.tensor(np.asarray(tokens)),
                    attention_mask=torch.tensor(np.asarray(mask).astype(int))).logits
     m = torch.tensor(np.asarray(mask))
