@@ -54,7 +54,7 @@ class _HostParams:
         self.qpaths = quantized_paths(spec, quant)
         self.dense = {p: np.empty(d.shape, dtype) for p, d in self.decls.items()
                       if p not in self.qpaths}
-        self.qparts: dict[str, dict[int | None, QTensor]] = {p: {} for p in self.qpaths}
+        self.quantized: dict[str, QTensor] = {}  # filled in place, layer by layer
 
     def place(self, slot: Slot, key: str, value: np.ndarray) -> None:
         value = value.T if slot.transpose else value
@@ -65,24 +65,30 @@ class _HostParams:
             raise KeyMapError(f"checkpoint tensor {key!r} has shape {tuple(stored)}; "
                               f"the config implies {tuple(implied)}")
         if slot.path in self.qpaths:
-            q = quantize_np(np.asarray(value, np.float32), self.quant.block_size,
-                            self.quant.mode, self.quant.double_quant, self.quant.scale_dtype)
-            self.qparts[slot.path][slot.layer] = q.replace(dtype=self.dtype.name)
+            self._place_quantized(slot, value)
         elif slot.layer is None:
             self.dense[slot.path][...] = value
         else:
             self.dense[slot.path][slot.layer] = value
 
+    def _place_quantized(self, slot: Slot, value: np.ndarray) -> None:
+        q = quantize_np(np.asarray(value, np.float32), self.quant.block_size, self.quant.mode,
+                        self.quant.double_quant, self.quant.scale_dtype)
+        q = q.replace(dtype=self.dtype.name)
+        if slot.layer is None:
+            self.quantized[slot.path] = q
+            return
+        if slot.path not in self.quantized:  # first layer seen: allocate the stacked leaves
+            n = self.decls[slot.path].shape[0]
+            self.quantized[slot.path] = jax.tree_util.tree_map(
+                lambda a: np.empty((n, *a.shape), a.dtype), q)
+        stacked = jax.tree_util.tree_leaves(self.quantized[slot.path])
+        for dst, src in zip(stacked, jax.tree_util.tree_leaves(q)):
+            dst[slot.layer] = src
+
     def finish(self) -> dict[str, Any]:
-        """{path: array or QTensor}; per-layer QTensors are stacked along the layer axis."""
-        out: dict[str, Any] = dict(self.dense)
-        for path, parts in self.qparts.items():
-            if None in parts:
-                out[path] = parts[None]
-            else:
-                layers = [parts[i] for i in sorted(parts)]
-                out[path] = jax.tree_util.tree_map(lambda *xs: np.stack(xs), *layers)
-        return out
+        """{path: array or QTensor}."""
+        return {**self.dense, **self.quantized}
 
 
 def load_host_params(model_dir: str | Path, spec: ModelSpec, dtype=np.float32,
