@@ -34,6 +34,7 @@ setup(
         "pyyaml>=6.0",
         "rich>=13.0",
         "gguf>=0.19",
+        "matplotlib>=3.7",
     ],
     extras_require={
         "test": [
@@ -42,6 +43,7 @@ setup(
             "peft>=0.14",
             "hypothesis>=6.100",
             "bitsandbytes>=0.45",
+            "tensorboard>=2.15",
         ],
         "tpu": ["jax[tpu]"],
         "gpu": ["jax[cuda12]"],

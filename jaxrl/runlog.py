@@ -1,0 +1,55 @@
+"""The run directory: resolved config, metrics.jsonl, samples.jsonl, TensorBoard, report.png."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from jaxrl.config import Config, dump_yaml
+from jaxrl.report import write_report
+from jaxrl.tensorboard import ScalarWriter
+
+
+def _jsonable(value: Any) -> Any:
+    """Floats stay floats (NaN and inf as strings, which JSON lacks); arrays become lists."""
+    if hasattr(value, "tolist"):
+        value = value.tolist()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+class RunLog:
+    """Appends one JSON object per step to metrics.jsonl (and TensorBoard when enabled) and
+    sample rows to samples.jsonl; `finish` draws report.png."""
+
+    def __init__(self, cfg: Config, output_dir: str | Path | None = None):
+        self.dir = Path(output_dir or cfg.run.output_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        dump_yaml(cfg, self.dir / "config.yaml")
+        self.metrics_path = self.dir / "metrics.jsonl"
+        self.samples_path = self.dir / "samples.jsonl"
+        self._tb = ScalarWriter(self.dir / "tensorboard") if cfg.logging.tensorboard else None
+
+    def log_step(self, step: int, metrics: dict[str, Any]) -> None:
+        row = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self._tb is not None:
+            self._tb.write(step, {k: float(v) for k, v in metrics.items()
+                                  if isinstance(v, (int, float))})
+
+    def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        with open(self.samples_path, "a") as f:
+            for row in rows:
+                f.write(json.dumps({"step": step, **row}, default=_jsonable) + "\n")
+
+    def finish(self) -> Path | None:
+        """Writes report.png from the metrics so far (None when no step was logged)."""
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        if not self.metrics_path.exists():
+            return None
+        return write_report(self.metrics_path, self.dir / "report.png")
