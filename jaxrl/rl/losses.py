@@ -72,11 +72,13 @@ def masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
 
 def grpo_loss(logp: jax.Array, logp_old: jax.Array, advantages: jax.Array, mask: jax.Array,
               cfg: GrpoConfig, *, ref_logp: jax.Array | None = None,
-              max_new_tokens: int | None = None):
+              max_new_tokens: int | None = None, weights: jax.Array | None = None):
     """(loss scalar, metrics) for per-token log-probs [B, T], advantages [B], mask [B, T].
 
     Uses cfg.beta, cfg.epsilon_low, cfg.epsilon_high and cfg.loss_agg. ref_logp is required when
     beta > 0 and ignored otherwise; max_new_tokens is required by Dr. GRPO aggregation.
+    weights [B, T] replaces `token_weights(mask, ...)`: a micro-batch passes its slice of the
+    whole batch's weights, so the accumulated loss and gradient equal the whole batch's.
     Metrics (token means over valid tokens, no gradient): ratio_mean; clip_frac_low, the
     fraction of tokens with r < 1 - epsilon_low and A < 0 (the clip holds the ratio up);
     clip_frac_high, r > 1 + epsilon_high and A > 0 (the clip holds it down); clip_frac, either
@@ -86,7 +88,8 @@ def grpo_loss(logp: jax.Array, logp_old: jax.Array, advantages: jax.Array, mask:
         raise ValueError(f"grpo.beta = {cfg.beta} > 0 needs ref_logp (the reference policy's "
                          "log-probs); pass them, or set grpo.beta = 0 to drop the KL term")
     valid = mask.astype(bool)
-    weights = token_weights(valid, cfg.loss_agg, max_new_tokens)  # [B, T]
+    if weights is None:
+        weights = token_weights(valid, cfg.loss_agg, max_new_tokens)  # [B, T]
     # where() before exp: padded positions may hold anything, and exp(junk) * 0 can be nan.
     log_ratio = jnp.where(valid, logp - jax.lax.stop_gradient(logp_old), 0.0)
     ratio = jnp.exp(log_ratio)  # [B, T]

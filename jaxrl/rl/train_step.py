@@ -1,0 +1,160 @@
+"""One GRPO policy update: jitted, LoRA and optimizer state donated, micro-batched.
+
+Glossary: B completions, S = P + N tokens per row (left-padded prompt of width P, completion of
+width N), M micro-batches of B / M rows.
+
+Only the LoRA pytree is differentiated; the frozen (possibly NF4) base params are an argument
+that is never differentiated. A step whose loss or gradients are not finite leaves the adapter
+and optimizer state unchanged and counts itself in `state.skipped`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+
+from jaxrl.config import GrpoConfig, OptimConfig
+from jaxrl.lora.lora import Lora
+from jaxrl.model.families import ModelSpec
+from jaxrl.rl.logprobs import token_logprobs
+from jaxrl.rl.losses import grpo_loss, token_weights
+
+
+@struct.dataclass
+class TrainState:
+    lora: Lora
+    opt_state: Any
+    step: jax.Array  # [] int32, updates applied
+    skipped: jax.Array  # [] int32, updates skipped for non-finite loss or gradients
+
+
+@struct.dataclass
+class Batch:
+    """A scored rollout batch, all arrays on device."""
+
+    tokens: jax.Array  # [B, S] int32
+    positions: jax.Array  # [B, S] int32
+    attn_mask: jax.Array  # [B, S] bool, valid tokens
+    completion_mask: jax.Array  # [B, N] bool, completion tokens up to and including EOS
+    logp_old: jax.Array  # [B, N] float32, the sampler's log-probs (pi_old)
+    advantages: jax.Array  # [B] float32
+    ref_logp: jax.Array | None = None  # [B, N] float32, None when beta == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOptions:
+    """Static settings of the compiled step (hashable: part of the compile key)."""
+
+    grpo: GrpoConfig
+    temperature: float  # of the distribution the sampler drew from (1.0 for greedy)
+    max_new_tokens: int
+    micro_batches: int = 1
+    logprob_chunk: int = 128
+
+
+def make_optimizer(optim: OptimConfig, total_steps: int):
+    """(AdamW over LoRA params, its learning-rate schedule): linear warmup, then constant or
+    cosine decay to 0; gradients clipped to `optim.max_grad_norm` first."""
+    warmup = min(optim.warmup_steps, max(total_steps - 1, 0))
+    if optim.schedule == "cosine":
+        schedule = optax.warmup_cosine_decay_schedule(
+            0.0, optim.lr, max(warmup, 1), max(total_steps, warmup + 1))
+    elif warmup:
+        schedule = optax.join_schedules(
+            [optax.linear_schedule(0.0, optim.lr, warmup), optax.constant_schedule(optim.lr)],
+            [warmup])
+    else:
+        schedule = optax.constant_schedule(optim.lr)
+    adamw = optax.adamw(schedule, weight_decay=optim.weight_decay)
+    if optim.max_grad_norm > 0:
+        return optax.chain(optax.clip_by_global_norm(optim.max_grad_norm), adamw), schedule
+    return adamw, schedule
+
+
+def init_train_state(lora: Lora, optimizer: optax.GradientTransformation) -> TrainState:
+    # distinct buffers: the state is donated, and one buffer cannot be donated twice
+    return TrainState(lora=lora, opt_state=optimizer.init(lora), step=jnp.zeros((), jnp.int32),
+                      skipped=jnp.zeros((), jnp.int32))
+
+
+def _loss(lora: Lora, params, spec: ModelSpec, mb: Batch, weights: jax.Array,
+          opts: StepOptions):
+    width = mb.completion_mask.shape[1]
+    logp, entropy = token_logprobs(
+        params, spec, mb.tokens, mb.positions, mb.attn_mask, lora,
+        start=mb.tokens.shape[1] - width, chunk=opts.logprob_chunk,
+        temperature=opts.temperature, with_entropy=True, remat=True)
+    loss, metrics = grpo_loss(logp, mb.logp_old, mb.advantages, mb.completion_mask, opts.grpo,
+                              ref_logp=mb.ref_logp, max_new_tokens=opts.max_new_tokens,
+                              weights=weights)
+    valid = mb.completion_mask.astype(jnp.float32)
+    metrics["entropy_sum"] = jnp.sum(jax.lax.stop_gradient(entropy) * valid)
+    metrics["tokens"] = valid.sum()
+    return loss, metrics
+
+
+def _split(tree, m: int):
+    """[B, ...] leaves -> [M, B / M, ...]."""
+    return jax.tree_util.tree_map(lambda x: x.reshape(m, x.shape[0] // m, *x.shape[1:]), tree)
+
+
+def accumulate_grads(lora, params, spec, batch: Batch, weights, opts: StepOptions):
+    """Loss, gradient and token-weighted metrics summed over micro-batches."""
+    grad_fn = jax.value_and_grad(_loss, has_aux=True)
+    if opts.micro_batches == 1:
+        return grad_fn(lora, params, spec, batch, weights, opts)
+    per_token = lambda k: k not in ("tokens", "entropy_sum")  # noqa: E731
+
+    def body(acc, xs):
+        mb, w = xs
+        (loss, metrics), grads = grad_fn(lora, params, spec, mb, w, opts)
+        metrics = {k: v * metrics["tokens"] if per_token(k) else v for k, v in metrics.items()}
+        return jax.tree_util.tree_map(jnp.add, acc, ((loss, metrics), grads)), None
+
+    xs = (_split(batch, opts.micro_batches), _split(weights, opts.micro_batches))
+    first = jax.tree_util.tree_map(lambda x: x[0], xs)
+    shapes = jax.eval_shape(lambda mb, w: grad_fn(lora, params, spec, mb, w, opts), *first)
+    zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    (loss, metrics), grads = jax.lax.scan(body, zeros, xs)[0]
+    tokens = jnp.maximum(metrics["tokens"], 1.0)
+    metrics = {k: v / tokens if per_token(k) else v for k, v in metrics.items()}
+    return (loss, metrics), grads
+
+
+def _all_finite(tree) -> jax.Array:
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(tree)]))
+
+
+def train_step(state: TrainState, params, batch: Batch, *, spec: ModelSpec,
+               optimizer: optax.GradientTransformation, opts: StepOptions):
+    """(new state, metrics). Jit with `jax.jit(train_step, static_argnames=("spec",
+    "optimizer", "opts"), donate_argnums=0)`; see `compile_train_step`."""
+    if batch.tokens.shape[0] % opts.micro_batches:
+        raise ValueError(f"batch of {batch.tokens.shape[0]} rows does not split into "
+                         f"{opts.micro_batches} micro-batches; set optim.micro_batch_size to a "
+                         "divisor of prompts_per_step * num_generations")
+    weights = token_weights(batch.completion_mask, opts.grpo.loss_agg, opts.max_new_tokens)
+    (loss, metrics), grads = accumulate_grads(state.lora, params, spec, batch, weights, opts)
+    finite = jnp.isfinite(loss) & _all_finite(grads)
+    safe_grads = jax.tree_util.tree_map(lambda g: jnp.where(finite, g, 0.0), grads)
+    updates, opt_state = optimizer.update(safe_grads, state.opt_state, state.lora)
+    lora = optax.apply_updates(state.lora, updates)
+    keep = lambda new, old: jax.tree_util.tree_map(  # noqa: E731
+        lambda n, o: jnp.where(finite, n, o), new, old)
+    new_state = TrainState(lora=keep(lora, state.lora), opt_state=keep(opt_state, state.opt_state),
+                           step=state.step + finite.astype(jnp.int32),
+                           skipped=state.skipped + (~finite).astype(jnp.int32))
+    entropy = metrics.pop("entropy_sum") / jnp.maximum(metrics.pop("tokens"), 1.0)
+    return new_state, {"loss": loss, "grad_norm": optax.global_norm(grads), "entropy": entropy,
+                       "skipped": (~finite).astype(jnp.int32), **metrics}
+
+
+def compile_train_step(spec: ModelSpec, optimizer: optax.GradientTransformation,
+                       opts: StepOptions):
+    """The jitted step with the train state donated (its buffers are reused for the new one)."""
+    return jax.jit(lambda state, params, batch: train_step(
+        state, params, batch, spec=spec, optimizer=optimizer, opts=opts), donate_argnums=0)
