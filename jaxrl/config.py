@@ -6,6 +6,7 @@ List-valued keys are stored as tuples (immutable, hashable) and written back as 
 """
 import dataclasses
 import difflib
+import math
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -110,10 +111,18 @@ class MeshConfig(_Group):
 
 @dataclass(frozen=True)
 class DataConfig(_Group):
-    """Which prompts are trained and evaluated on."""
-    tasks: _STRS = ("arith",)
-    train_file: str = ""
-    eval_file: str = ""
+    """Which prompts are trained and evaluated on: a weighted mixture of task sources, each
+    generated or loaded, sampled to its count and split into train and validation."""
+    tasks: _STRS = _setting(("arithmetic",), nonempty=True)  # NAME or NAME:COUNT; jaxrl data --list
+    samples_per_task: int = _setting(1000, ge=1)  # the COUNT of a task given without one
+    weights: _FLOATS = _setting((), gt=0)  # one per task; empty = proportional to the counts
+    validation_fraction: float = _setting(0.2, ge=0, lt=1)
+    seed: int = 42  # generation, sampling, splitting and shuffling
+    difficulty: int = _setting(1, choices=(1, 2, 3))  # of generated tasks
+    data_dir: str = "data"  # loaded tasks read DATA_DIR/NAME/ (JSON, JSONL, Parquet, CSV)
+    from_hub: bool = False  # download a loaded task missing under data_dir from the HF hub
+    train_file: str = ""  # records JSONL trained on instead of `tasks`
+    eval_file: str = ""  # records JSONL evaluated on instead of the validation split
     prompts_per_step: int = _setting(4, ge=1)
     max_prompt_tokens: int = _setting(256, ge=1)
 
@@ -154,13 +163,26 @@ class OptimConfig(_Group):
 
 
 @dataclass(frozen=True)
+class RewardEntry:
+    """One reward function of `rewards.functions` and its weight in the summed reward. In YAML
+    an entry is {name: correctness, weight: 1.0} or just the name (weight 1.0)."""
+    name: str
+    weight: float = 1.0
+
+
+_ENTRIES = tuple[RewardEntry, ...]
+
+
+@dataclass(frozen=True)
 class RewardsConfig(_Group):
     """Which reward functions score completions and how the host workers run them."""
-    functions: _STRS = _setting(("correctness", "format"), nonempty=True)
-    weights: _FLOATS = ()  # empty = all 1.0
-    max_staleness: int = _setting(1, choices=(0, 1))
-    workers: int = _setting(2, ge=1)
-    timeout_s: float = _setting(5.0, gt=0)
+    functions: _ENTRIES = _setting((RewardEntry("correctness"), RewardEntry("format")),
+                                   nonempty=True)
+    max_staleness: int = _setting(1, choices=(0, 1))  # 1: the next rollout overlaps scoring
+    workers: int = _setting(2, ge=1)  # processes for CPU-bound rewards
+    timeout_s: float = _setting(10.0, gt=0)  # per sample; a CPU worker past it is replaced
+    sandbox_timeout_s: float = _setting(5.0, gt=0)  # wall and CPU seconds of one code run
+    cedar_weights: _FLOATS = _setting((1.0, 0.25, 0.25), ge=0)  # correctness, coverage, direction
 
 
 @dataclass(frozen=True)
@@ -170,10 +192,14 @@ class JudgeConfig(_Group):
     model: str = ""
     api_key_env: str = "OPENAI_API_KEY"
     api_key: str = _setting("", secret=True)
-    timeout_s: float = _setting(60.0, gt=0)
+    timeout_s: float = _setting(60.0, gt=0)  # per request
     max_retries: int = _setting(3, ge=0)
-    concurrency: int = _setting(8, ge=1)
+    concurrency: int = _setting(8, ge=1)  # requests in flight per judge-based reward
     temperature: float = _setting(0.0, ge=0)
+    max_tokens: int = _setting(2048, ge=1)
+    backoff_s: float = _setting(1.0, gt=0)  # first retry delay; doubles, with jitter
+    max_backoff_s: float = _setting(30.0, gt=0)  # cap on one delay, Retry-After included
+    cache: bool = True  # judge_cache.sqlite in run.output_dir
 
 
 @dataclass(frozen=True)
@@ -241,9 +267,26 @@ def _scalar(typ: type, value):
     return value if isinstance(value, typ) else None
 
 
+def _entry(key: str, item) -> RewardEntry:
+    """A reward entry from a name, a {name, weight} mapping or an entry."""
+    if isinstance(item, str):
+        item = {"name": item}
+    if isinstance(item, RewardEntry):
+        item = dataclasses.asdict(item)
+    weight = _scalar(float, item.get("weight", 1.0)) if isinstance(item, Mapping) else None
+    if (weight is None or not isinstance(item.get("name"), str) or not item["name"]
+            or set(item) - {"name", "weight"} or not math.isfinite(weight)):
+        raise ConfigError(f"config key {key!r} entries must be a reward name or a mapping "
+                          f"{{name: NAME, weight: FLOAT}}; got {item!r}")
+    return RewardEntry(item["name"], weight)
+
+
 def _coerce(key: str, typ, value):
     """Check value against the key's type: ints widen to floats; list keys take a list or one
     scalar and store a tuple."""
+    if typ is _ENTRIES:
+        items = value if isinstance(value, (list, tuple)) else [value]
+        return tuple(_entry(key, item) for item in items)
     if typ in (_STRS, _FLOATS):
         items = value if isinstance(value, (list, tuple)) else [value]
         result = tuple(_scalar(typ.__args__[0], item) for item in items)
@@ -279,12 +322,30 @@ def _check_rules(key: str, value, rules: Mapping) -> None:
             raise ConfigError(f"{must} {' and '.join(parts)}{also}; got {item!r}")
 
 
+def _check_rewards(rewards: RewardsConfig) -> None:
+    from jaxrl.rewards import REWARDS  # the registry of names only; nothing heavy
+
+    names = [entry.name for entry in rewards.functions]
+    for name in names:
+        if name not in REWARDS:
+            close = difflib.get_close_matches(name, list(REWARDS), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(f"config key 'rewards.functions' names unknown reward {name!r}; "
+                              f"valid rewards: {', '.join(sorted(REWARDS))}{hint}")
+        if names.count(name) > 1:
+            raise ConfigError(f"config key 'rewards.functions' lists {name!r} twice; "
+                              "give each reward once with its weight")
+    if len(rewards.cedar_weights) != 3:
+        raise ConfigError("config key 'rewards.cedar_weights' needs 3 weights (correctness, "
+                          f"coverage, directionality); got {list(rewards.cedar_weights)}")
+    if rewards.timeout_s <= rewards.sandbox_timeout_s:
+        raise ConfigError(f"config key 'rewards.timeout_s' ({rewards.timeout_s}) must exceed "
+                          f"'rewards.sandbox_timeout_s' ({rewards.sandbox_timeout_s}): a "
+                          "worker is replaced at the former, a code run stops at the latter")
+
+
 def _check_cross(cfg: Config) -> None:
-    weights, functions = cfg.rewards.weights, cfg.rewards.functions
-    if weights and len(weights) != len(functions):
-        raise ConfigError(
-            f"config key 'rewards.weights' has {len(weights)} entries but 'rewards.functions' has "
-            f"{len(functions)} ({', '.join(functions)}); give one weight per function or none")
+    _check_rewards(cfg.rewards)
 
 
 def validate(cfg: Config) -> Config:
@@ -328,6 +389,13 @@ def from_dict(d: Mapping) -> Config:
     return validate(_build(d))
 
 
+def _plain(value):
+    """A key's value as plain YAML data: tuples as lists, entries as mappings."""
+    if isinstance(value, tuple):
+        return [dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for v in value]
+    return value
+
+
 def to_dict(cfg: Config, include_secrets: bool = False) -> dict:
     """{group: {key: value}} of plain values (lists, not tuples); secrets only when asked for."""
     out = {}
@@ -335,7 +403,7 @@ def to_dict(cfg: Config, include_secrets: bool = False) -> dict:
         section = getattr(cfg, group.name)
         values = {f.name: getattr(section, f.name) for f in fields(section)
                   if include_secrets or not f.metadata.get("secret")}
-        out[group.name] = {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
+        out[group.name] = {k: _plain(v) for k, v in values.items()}
     return out
 
 
@@ -355,9 +423,9 @@ def _parse_cli(typ, text: str):
         value = text
     if typ is str and not isinstance(value, str):
         return text
-    if typ in (_STRS, _FLOATS) and not isinstance(value, list):
+    if typ in (_STRS, _FLOATS, _ENTRIES) and not isinstance(value, list):
         parts = [part.strip() for part in text.split(",") if part.strip()]
-        return parts if typ is _STRS else [_parse_cli(float, part) for part in parts]
+        return [_parse_cli(float, part) for part in parts] if typ is _FLOATS else parts
     return value
 
 

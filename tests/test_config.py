@@ -9,6 +9,7 @@ from jaxrl.config import (
     Config,
     ConfigError,
     LoraConfig,
+    RewardEntry,
     apply_overrides,
     dump_yaml,
     from_dict,
@@ -42,7 +43,8 @@ def test_defaults():
     assert cfg.grpo.num_generations == 4 and cfg.grpo.beta == 0.04
     assert cfg.grpo.loss_agg == "seq-mean-token-mean"
     assert cfg.optim.lr == 1e-5
-    assert cfg.rewards.functions == ("correctness", "format") and cfg.rewards.weights == ()
+    assert cfg.rewards.functions == (RewardEntry("correctness", 1.0), RewardEntry("format", 1.0))
+    assert cfg.rewards.cedar_weights == (1.0, 0.25, 0.25)
     assert cfg.judge.api_key_env == "OPENAI_API_KEY" and cfg.judge.api_key == ""
     assert cfg.checkpoint.every == 50 and cfg.checkpoint.resume is True
     assert validate(cfg) == cfg
@@ -92,7 +94,8 @@ mesh:
 def test_round_trip(tmp_path):
     cfg = load_config(overrides=[
         "run.output_dir=1e5", "model.path=yes", "optim.lr=3e-6", "grpo.beta=0.0",
-        "lora.targets=q_proj,o_proj", "rewards.weights=[2, 0.5]",
+        "lora.targets=q_proj,o_proj",
+        "rewards.functions=[{name: correctness, weight: 2}, format]",
         'sampling.stop=["null", "\\n", "</answer>"]',
         "quant.mode=none", "checkpoint.resume=false", "mesh.data=2",
     ])
@@ -168,8 +171,8 @@ def test_wrong_type():
     assert err.value.exit_code == 2
     with _raises("config key 'run.steps' expects int, got 2.5 (float)"):
         apply_overrides(Config(), ["run.steps=2.5"])
-    with _raises("config key 'rewards.weights' expects list[float], got ['a'] (list)"):
-        from_dict({"rewards": {"weights": ["a"]}})
+    with _raises("config key 'rewards.cedar_weights' expects list[float], got ['a'] (list)"):
+        from_dict({"rewards": {"cedar_weights": ["a"]}})
     with _raises("config key 'data.tasks' expects list[str], got [1, 2] (list)"):
         apply_overrides(Config(), ["data.tasks=[1, 2]"])
 
@@ -254,8 +257,8 @@ def test_override_lists():
     single = apply_overrides(Config(), ["lora.targets=o_proj"])
     assert bracket.lora.targets == comma.lora.targets == ("q_proj", "v_proj")
     assert single.lora.targets == ("o_proj",)
-    cfg = apply_overrides(Config(), ["rewards.weights=1,0.5", "sampling.stop=[]"])
-    assert cfg.rewards.weights == (1.0, 0.5) and cfg.sampling.stop == ()
+    cfg = apply_overrides(Config(), ["rewards.cedar_weights=1,0.5,0", "sampling.stop=[]"])
+    assert cfg.rewards.cedar_weights == (1.0, 0.5, 0.0) and cfg.sampling.stop == ()
     assert apply_overrides(Config(), ["sampling.stop="]).sampling.stop == ()
 
 
@@ -273,19 +276,53 @@ def test_later_override_wins_and_input_is_not_changed():
 
 
 def test_overrides_apply_after_the_file(tmp_path):
-    path = _write(tmp_path, "rewards:\n  weights: [1, 2, 3]\ngrpo:\n  beta: 0.5\n")
-    cfg = load_config(path, ["rewards.functions=[correctness, format, spring]", "grpo.beta=0.1"])
-    assert cfg.rewards.weights == (1.0, 2.0, 3.0) and cfg.grpo.beta == 0.1
+    path = _write(tmp_path,
+                  "rewards:\n  functions: [{name: cedar, weight: 2}]\ngrpo:\n  beta: 0.5\n")
+    assert load_config(path).rewards.functions == (RewardEntry("cedar", 2.0),)
+    cfg = load_config(path, ["rewards.functions=[correctness, format, cedar]", "grpo.beta=0.1"])
+    assert cfg.rewards.functions == (RewardEntry("correctness"), RewardEntry("format"),
+                                     RewardEntry("cedar"))
+    assert cfg.grpo.beta == 0.1
 
 
-def test_weights_length_cross_check():
-    with _raises("config key 'rewards.weights' has 1 entries but 'rewards.functions' has 2 "
-                 "(correctness, format); give one weight per function or none") as err:
-        apply_overrides(Config(), ["rewards.weights=[1]"])
+def test_reward_functions_take_names_or_name_weight_mappings(tmp_path):
+    path = _write(tmp_path, "rewards:\n  functions:\n    - {name: correctness, weight: 2}\n"
+                  "    - format\n    - {name: cedar_coverage}\n")
+    cfg = load_config(path)
+    assert cfg.rewards.functions == (RewardEntry("correctness", 2.0), RewardEntry("format", 1.0),
+                                     RewardEntry("cedar_coverage", 1.0))
+    assert to_dict(cfg)["rewards"]["functions"][0] == {"name": "correctness", "weight": 2.0}
+    single = apply_overrides(Config(), ["rewards.functions=cedar"])
+    assert single.rewards.functions == (RewardEntry("cedar", 1.0),)
+
+
+def test_reward_functions_errors():
+    with _raises("config key 'rewards.functions' names unknown reward 'corectness'; valid "
+                 "rewards: cedar, cedar_coverage, cedar_directionality, correctness, format; "
+                 "did you mean 'correctness'?") as err:
+        apply_overrides(Config(), ["rewards.functions=[corectness]"])
     assert err.value.exit_code == 2
-    with _raises("config key 'rewards.weights' has 3 entries"):
-        from_dict({"rewards": {"weights": [1, 1, 1]}})
-    assert from_dict({"rewards": {"weights": [1, 0.5]}}).rewards.weights == (1.0, 0.5)
+    with _raises("config key 'rewards.functions' entries must be a reward name or a mapping "
+                 "{name: NAME, weight: FLOAT}; got {'name': 'format', 'wieght': 2}"):
+        from_dict({"rewards": {"functions": [{"name": "format", "wieght": 2}]}})
+    with _raises("entries must be a reward name or a mapping {name: NAME, weight: FLOAT}; "
+                 "got {'name': 'format', 'weight': 'x'}"):
+        from_dict({"rewards": {"functions": [{"name": "format", "weight": "x"}]}})
+    with _raises("config key 'rewards.functions' lists 'format' twice"):
+        apply_overrides(Config(), ["rewards.functions=format,format"])
+    with _raises("config key 'rewards.functions' must not be empty; got []"):
+        apply_overrides(Config(), ["rewards.functions=[]"])
+
+
+def test_reward_cross_checks():
+    with _raises("config key 'rewards.cedar_weights' needs 3 weights (correctness, coverage, "
+                 "directionality); got [1.0]"):
+        apply_overrides(Config(), ["rewards.cedar_weights=[1]"])
+    with _raises("config key 'rewards.cedar_weights' entries must be >= 0; got -1.0"):
+        apply_overrides(Config(), ["rewards.cedar_weights=[1, -1, 0]"])
+    with _raises("config key 'rewards.timeout_s' (4.0) must exceed 'rewards.sandbox_timeout_s' "
+                 "(5.0)"):
+        apply_overrides(Config(), ["rewards.timeout_s=4"])
 
 
 def test_secret_dropped_from_to_dict_and_dump(tmp_path):

@@ -1,0 +1,109 @@
+"""The reward pool: workers that hang or crash, timeouts, ordering, metrics and overlap."""
+import time
+
+import pytest
+
+from jaxrl.config import Config, RewardEntry, apply_overrides
+from jaxrl.rewards import REWARDS
+from jaxrl.rewards.base import RewardConfigError, Sample
+from jaxrl.rewards.pool import RewardPool, pipelined
+from jaxrl.rewards.workers import ProcessWorkers
+from tests.rewards.helpers import Sleepy
+
+
+@pytest.fixture
+def registered(monkeypatch):
+    for name in ("misbehave", "sleepy", "fails_in_worker"):
+        monkeypatch.setitem(REWARDS, name, f"tests.rewards.helpers:{name.title().replace('_', '')}")
+    return apply_overrides(Config(), ["rewards.timeout_s=1.5", "rewards.sandbox_timeout_s=1",
+                                      "rewards.workers=2"])
+
+
+def _samples(*completions):
+    return [Sample("p", c, {"id": str(i)}) for i, c in enumerate(completions)]
+
+
+def test_hung_crashed_and_raising_workers_score_the_default_and_are_replaced(registered):
+    with RewardPool(registered, [RewardEntry("misbehave", 2.0)]) as pool:
+        start = time.monotonic()
+        ticket = pool.submit(_samples("ok1", "hang", "crash", "raise", "ok22", "ok333"))
+        assert time.monotonic() - start < 0.5  # submit returns at once
+        batch = pool.collect(ticket)
+        again = pool.score(_samples("ok4444"))
+        restarts = pool.restarts
+    results = batch.results["misbehave"]
+    assert [r.value for r in results] == [3.0, 0.0, 0.0, 0.0, 4.0, 5.0]
+    assert batch.rewards == (6.0, 0.0, 0.0, 0.0, 8.0, 10.0)
+    assert [r.info.get("failure") for r in results[1:4]] == ["timeout", "worker_crashed",
+                                                             "reward_error"]
+    assert "boom" in results[3].info["error"]
+    assert batch.metrics["rewards/failures"] == 3 and batch.metrics["rewards/failures/timeout"] == 1
+    assert batch.metrics["rewards/misbehave/length/mean"] == 4.0
+    assert restarts == 2 and again.rewards == (12.0,)
+    assert pool.failures == {"timeout": 1, "worker_crashed": 1, "reward_error": 1}
+
+
+def test_io_rewards_time_out_and_errors_are_caught(registered):
+    with RewardPool(registered, [RewardEntry("sleepy")]) as pool:
+        batch = pool.score(_samples("sleep:0", "sleep:5", "raise"))
+    values = [(r.value, r.info.get("failure")) for r in batch.results["sleepy"]]
+    assert values == [(1.0, None), (0.0, "timeout"), (0.0, "reward_error")]
+    assert batch.metrics["rewards/time_s"] < 2.0
+
+
+def test_bad_records_are_refused_at_submit(registered):
+    with RewardPool(registered, [RewardEntry("correctness")]) as pool:
+        bad = Sample("p", "<answer>1</answer>", {"id": "r1", "answer": "1",
+                                                "verifier": {"kind": "nope"}})
+        with pytest.raises(RewardConfigError, match="unknown verifier kind 'nope'"):
+            pool.submit([bad])
+        good = Sample("p", "<answer>1</answer>", {"id": "r2", "answer": "1",
+                                                 "verifier": {"kind": "numeric"}})
+        assert pool.score([good]).rewards == (1.0,)
+
+
+def test_workers_that_cannot_start_fail_their_samples(registered):
+    with RewardPool(registered, [RewardEntry("fails_in_worker")]) as pool:
+        batch = pool.score(_samples("a", "b"))
+    failures = [r.info["failure"] for r in batch.results["fails_in_worker"]]
+    assert failures == ["worker_start_failed"] * 2
+    assert "no GPU driver" in batch.results["fails_in_worker"][0].info["detail"]
+
+
+def test_fork_is_refused():
+    with pytest.raises(ValueError, match="spawn, forkserver"):
+        ProcessWorkers({}, Config(), 1, 1.0, {}, start_method="fork")
+
+
+def _run_steps(pool, steps, seconds, max_staleness, events):
+    def rollouts():
+        for step in range(steps):
+            time.sleep(seconds)  # the device samples
+            events.append(f"rollout {step}")
+            yield step
+
+    start = time.monotonic()
+    batches = []
+    for step, batch in pipelined(pool, rollouts(), lambda s: _samples(*["x"] * 4), max_staleness):
+        events.append(f"update {step}")
+        batches.append(batch)
+    return time.monotonic() - start, batches
+
+
+def test_max_staleness_one_overlaps_rollout_and_reward(registered, monkeypatch):
+    seconds, steps = 0.3, 4
+    monkeypatch.setattr(Sleepy, "sleepy_s", seconds)  # a reward as long as a rollout
+    with RewardPool(registered, [RewardEntry("sleepy")]) as pool:
+        stale_events, fresh_events = [], []
+        overlapped, batches = _run_steps(pool, steps, seconds, 1, stale_events)
+        serial, _ = _run_steps(pool, steps, seconds, 0, fresh_events)
+    assert overlapped / serial < 0.8  # ~ (steps + 1) / (2 * steps) = 0.625
+    assert stale_events[:4] == ["rollout 0", "rollout 1", "update 0", "rollout 2"]
+    assert fresh_events[:3] == ["rollout 0", "update 0", "rollout 1"]
+    assert all(b.metrics["rewards/overlap"] > 0.5 for b in batches[:-1])
+
+
+def test_pipelined_rejects_other_staleness(registered):
+    with RewardPool(registered, [RewardEntry("sleepy")]) as pool, pytest.raises(
+            ValueError, match="max_staleness must be 0 or 1"):
+        list(pipelined(pool, [1], lambda b: [], 2))
