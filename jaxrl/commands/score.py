@@ -33,7 +33,7 @@ def register(sub) -> None:
 
 
 def _read(path: str) -> list[dict]:
-    from jaxrl.cli import UsageError
+    from jaxrl.commands import UsageError
 
     try:
         lines = Path(path).read_text(encoding="utf-8").splitlines()

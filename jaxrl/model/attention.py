@@ -1,7 +1,7 @@
 """RoPE and grouped-query attention.
 
 Glossary: B batch, T query tokens, S key slots, H query heads, K kv heads, G = H / K query heads
-per kv head, D head dim.
+per kv head, M = T * G query rows per kv head, D head dim.
 """
 from __future__ import annotations
 
@@ -49,15 +49,24 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return out.astype(x.dtype)
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """Softmax attention. q [B, T, H, D], k and v [B, K, S, D], mask [B, T, S] (True = may
-    attend). Returns [B, T, H*D]."""
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *,
+           keys_transposed: bool = False) -> jax.Array:
+    """Softmax attention. q [B, T, H, D], k and v [B, K, S, D] (k [B, K, D, S] when
+    keys_transposed), mask [B, T, S] (True = may attend). Returns [B, T, H*D].
+
+    The G query heads of a kv head and the T tokens form one matrix of M = T*G rows, so each
+    (b, k) pair is a single [M, D] x [D, S] product; with T and G as separate dims XLA's CPU
+    backend lowers decoding (T = 1, M = G) to a slow batched dot plus transposing copies.
+    """
     b, t, h, d = q.shape
     kv = k.shape[1]
-    q = q.reshape(b, t, kv, h // kv, d)
-    scores = jnp.einsum("btkgd,bksd->bkgts", q, k, preferred_element_type=jnp.float32)
-    scores = scores * (d ** -0.5)
-    scores = jnp.where(mask[:, None, None], scores, _MASKED)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bksd->btkgd", probs, v, preferred_element_type=jnp.float32)
+    g = h // kv
+    q = q.reshape(b, t, kv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, kv, t * g, d)  # [B,K,M,D]
+    keys = "bkds" if keys_transposed else "bksd"
+    scores = jnp.einsum(f"bkmd,{keys}->bkms", q, k, preferred_element_type=jnp.float32)
+    scores = scores.reshape(b, kv, t, g, -1) * (d ** -0.5)  # [B, K, T, G, S]
+    scores = jnp.where(mask[:, None, :, None], scores, _MASKED)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b, kv, t * g, -1)
+    out = jnp.einsum("bkms,bksd->bkmd", probs, v, preferred_element_type=jnp.float32)
+    out = out.reshape(b, kv, t, g, d).transpose(0, 2, 1, 3, 4)  # [B, T, K, G, D]
     return out.reshape(b, t, h * d).astype(q.dtype)

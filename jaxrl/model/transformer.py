@@ -1,5 +1,10 @@
 """The decoder forward pass: a pure function of params, tokens and positions.
 
+Two ways to run the layers share `decoder_layer`: `hidden_states` scans over the stacked layer
+weights (training, log-probs, and decoding wherever weights are quantized or the backend is not
+a CPU), and `unrolled_hidden_states` unrolls the layers in Python over a per-layer cache (the
+sampler's fast path for dense weights on CPU; see jaxrl/sampling/sampler.py for the measurements).
+
 Glossary: B batch, T tokens in this call, S key slots (T without a cache, the cache length with
 one), E hidden size, F MLP size, H/K query/kv heads, D head dim, V vocab, L layers.
 """
@@ -13,9 +18,9 @@ import jax.numpy as jnp
 from jaxrl.lora.lora import Lora, lora_delta
 from jaxrl.model.attention import apply_rope, attend, rope_tables
 from jaxrl.model.families import ModelSpec
-from jaxrl.model.kv_cache import KVCache
+from jaxrl.model.kv_cache import KVCache, LayerKVCache
 from jaxrl.model.params import LINEAR_NAMES
-from jaxrl.quant.nf4 import as_dense
+from jaxrl.quant.nf4 import QTensor, as_dense
 
 Params = dict[str, Any]
 
@@ -37,7 +42,7 @@ def linear(x: jax.Array, p: Params) -> jax.Array:
     return y.astype(x.dtype)
 
 
-def _projector(lp: Params, ll: Params | None, lora: Lora | None, rng: jax.Array | None):
+def projector(lp: Params, ll: Params | None, lora: Lora | None, rng: jax.Array | None):
     """proj(name, x): layer linear `name` applied to x, plus its adapter when it has one."""
     def proj(name: str, x: jax.Array) -> jax.Array:
         y = linear(x, lp[name])
@@ -48,14 +53,15 @@ def _projector(lp: Params, ll: Params | None, lora: Lora | None, rng: jax.Array 
     return proj
 
 
-def _attention_mask(attn_mask: jax.Array, t: int, start: jax.Array) -> jax.Array:
+def attention_mask(attn_mask: jax.Array, t: int, start: jax.Array) -> jax.Array:
     """[B, T, S]: query t (at slot start + t) sees valid key slots s <= start + t."""
     s = attn_mask.shape[1]
     causal = jnp.arange(s)[None, :] <= (start + jnp.arange(t))[:, None]  # [T, S]
     return causal[None] & attn_mask[:, None, :]
 
 
-def _attention_block(x, proj, lp, rope, mask, spec: ModelSpec, kv_slots):
+def _qkv(x, proj, lp, rope, spec: ModelSpec):
+    """q [B, T, H, D] and k, v [B, T, K, D] of normed hidden states x [B, T, E], roped."""
     b, t, _ = x.shape
     q = proj("q_proj", x).reshape(b, t, spec.num_heads, spec.head_dim)
     k = proj("k_proj", x).reshape(b, t, spec.num_kv_heads, spec.head_dim)
@@ -63,18 +69,31 @@ def _attention_block(x, proj, lp, rope, mask, spec: ModelSpec, kv_slots):
     if spec.qk_norm:
         q = rms_norm(q, lp["q_norm"]["scale"], spec.rms_norm_eps)
         k = rms_norm(k, lp["k_norm"]["scale"], spec.rms_norm_eps)
-    q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-    k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, D]
-    if kv_slots is not None:
-        cache_k, cache_v, start = kv_slots
-        k = jax.lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype), (0, 0, start, 0))
-        v = jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype), (0, 0, start, 0))
-    out = attend(q, k.astype(q.dtype), v.astype(q.dtype), mask)
-    return proj("o_proj", out), (k, v)
+    return apply_rope(q, *rope), apply_rope(k, *rope), v
 
 
-def _mlp_block(x, proj):
-    return proj("down_proj", jax.nn.silu(proj("gate_proj", x)) * proj("up_proj", x))
+def decoder_layer(h: jax.Array, lp: Params, proj, rope, spec: ModelSpec, attention):
+    """One pre-norm decoder layer on h [B, T, E]: (h', kv). `attention(q, k, v)` takes q
+    [B, T, H, D], k and v [B, T, K, D] and returns ([B, T, H*D], whatever it keeps as kv), so
+    callers choose the cache layout."""
+    x = rms_norm(h, lp["input_layernorm"]["scale"], spec.rms_norm_eps)
+    out, kv = attention(*_qkv(x, proj, lp, rope, spec))
+    h = h + proj("o_proj", out)
+    x = rms_norm(h, lp["post_attention_layernorm"]["scale"], spec.rms_norm_eps)
+    return h + proj("down_proj", jax.nn.silu(proj("gate_proj", x)) * proj("up_proj", x)), kv
+
+
+def _stacked_attention(mask: jax.Array, kv_slots):
+    """Attention over this call's keys, or over a [B, K, S, D] cache layer written at slot
+    start when kv_slots = (cache_k, cache_v, start)."""
+    def attention(q, k, v):
+        k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, D]
+        if kv_slots is not None:
+            cache_k, cache_v, start = kv_slots
+            k = jax.lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype), (0, 0, start, 0))
+            v = jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype), (0, 0, start, 0))
+        return attend(q, k.astype(q.dtype), v.astype(q.dtype), mask), (k, v)
+    return attention
 
 
 def hidden_states(params: Params, tokens: jax.Array, positions: jax.Array, spec: ModelSpec, *,
@@ -94,19 +113,14 @@ def hidden_states(params: Params, tokens: jax.Array, positions: jax.Array, spec:
     start = jnp.zeros((), jnp.int32) if cache is None else cache.index
     if attn_mask is None:
         attn_mask = jnp.ones((b, t if cache is None else cache.max_len), bool)
-    mask = _attention_mask(attn_mask, t, start)
+    mask = attention_mask(attn_mask, t, start)
     rope = rope_tables(positions, spec)
     h = params["embed_tokens"]["embedding"][tokens]  # [B, T, E]
 
     def layer(h, xs):
         lp, ll, kv, key = xs
-        proj = _projector(lp, ll, lora, key)
-        kv_slots = None if kv is None else (*kv, start)
-        x = rms_norm(h, lp["input_layernorm"]["scale"], spec.rms_norm_eps)
-        attn, new_kv = _attention_block(x, proj, lp, rope, mask, spec, kv_slots)
-        h = h + attn
-        x = rms_norm(h, lp["post_attention_layernorm"]["scale"], spec.rms_norm_eps)
-        h = h + _mlp_block(x, proj)
+        attention = _stacked_attention(mask, None if kv is None else (*kv, start))
+        h, new_kv = decoder_layer(h, lp, projector(lp, ll, lora, key), rope, spec, attention)
         return h, (new_kv if kv is not None else None)
 
     kv_in = None if cache is None else (cache.k, cache.v)
@@ -119,6 +133,68 @@ def hidden_states(params: Params, tokens: jax.Array, positions: jax.Array, spec:
     if cache is None:
         return h, None
     return h, KVCache(k=kv_out[0], v=kv_out[1], index=start + t)
+
+
+def _transposed_key_attention(mask: jax.Array, cache_kt: jax.Array, cache_v: jax.Array,
+                              start: jax.Array):
+    """Attention over one `LayerKVCache` layer, this call's keys written at slot start; computed
+    in the cache dtype."""
+    def attention(q, k, v):
+        if cache_kt.dtype == jnp.uint16:
+            kt = jax.lax.bitcast_convert_type(k.transpose(0, 2, 3, 1).astype(jnp.bfloat16), jnp.uint16)
+            v = jax.lax.bitcast_convert_type(v.transpose(0, 2, 1, 3).astype(jnp.bfloat16), jnp.uint16)
+        else:
+            kt = k.transpose(0, 2, 3, 1).astype(cache_kt.dtype)  # [B, K, D, T]
+            v = v.transpose(0, 2, 1, 3).astype(cache_v.dtype)  # [B, K, T, D]
+        kt = jax.lax.dynamic_update_slice(cache_kt, kt, (0, 0, 0, start))
+        v = jax.lax.dynamic_update_slice(cache_v, v, (0, 0, start, 0))
+        if cache_kt.dtype == jnp.uint16:
+            kd, vd = (jax.lax.bitcast_convert_type(a, jnp.bfloat16) for a in (kt, v))
+        else:
+            kd, vd = kt, v
+        out = attend(q.astype(kd.dtype), kd, vd, mask, keys_transposed=True)
+        return out.astype(q.dtype), (kt, v)
+    return attention
+
+
+def unstack_layers(tree: Params) -> tuple[Params, ...]:
+    """Per-layer trees of a tree whose leaves are stacked over layers (QTensors included)."""
+    n = jax.tree_util.tree_leaves(tree)[0].shape[0]
+    return tuple(jax.tree_util.tree_map(lambda a: a[i], tree) for i in range(n))
+
+
+def unrolled_hidden_states(params: Params, tokens: jax.Array, positions: jax.Array,
+                           spec: ModelSpec, *, attn_mask: jax.Array, cache: LayerKVCache,
+                           lora: Lora | None = None):
+    """`hidden_states` with a `LayerKVCache` and the layers unrolled in Python, for decoding
+    (no dropout, no remat). params["layers"] and lora.weights["layers"] hold one tree per layer
+    (`unstack_layers`). Returns final-normed hidden states [B, T, E] and the cache.
+
+    Dense kernels only. Inside a decode loop each layer's weights are loop-invariant, and so
+    would be the dequantization of an NF4 kernel: XLA hoists it out of the loop and holds every
+    layer dense at once. In the scan of `hidden_states` the layer index varies, which keeps
+    dequantization per layer, so quantized params must decode through `hidden_states`.
+    """
+    quantized = [leaf for leaf in jax.tree_util.tree_leaves(
+        params["layers"], is_leaf=lambda x: isinstance(x, QTensor)) if isinstance(leaf, QTensor)]
+    if quantized:
+        raise ValueError("unrolled_hidden_states takes dense kernels only; NF4/int4 kernels "
+                         "must run through hidden_states, whose layer scan keeps dequantization "
+                         "per layer inside a decode loop")
+    b, t = tokens.shape
+    start = cache.index
+    mask = attention_mask(attn_mask, t, start)
+    rope = rope_tables(positions, spec)
+    h = params["embed_tokens"]["embedding"][tokens]  # [B, T, E]
+    kts, vs = [], []
+    adapters = [None] * spec.num_layers if lora is None else lora.weights["layers"]
+    for lp, ll, cache_kt, cache_v in zip(params["layers"], adapters, cache.kt, cache.v):
+        attention = _transposed_key_attention(mask, cache_kt, cache_v, start)
+        h, (kt, v) = decoder_layer(h, lp, projector(lp, ll, lora, None), rope, spec, attention)
+        kts.append(kt)
+        vs.append(v)
+    h = rms_norm(h, params["norm"]["scale"], spec.rms_norm_eps)
+    return h, LayerKVCache(kt=tuple(kts), v=tuple(vs), index=start + t)
 
 
 def lm_logits(params: Params, h: jax.Array, spec: ModelSpec) -> jax.Array:

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jaxrl.config import ConfigError, QuantConfig
 from jaxrl.model.families import ModelSpec
 from jaxrl.model.params import abstract_params, declare, flatten, unflatten
-from jaxrl.quant.nf4 import DQ_GROUP, QTensor, nbytes
+from jaxrl.quant.nf4 import DQ_GROUP, QTensor, dequantize, nbytes
 
 
 def quantized_paths(spec: ModelSpec, quant: QuantConfig | None) -> set[str]:
@@ -56,3 +56,17 @@ def resident_bytes(params: dict[str, Any]) -> int:
     return sum(nbytes(leaf) if isinstance(leaf, QTensor) else leaf.size * leaf.dtype.itemsize
                for leaf in jax.tree_util.tree_leaves(
                    params, is_leaf=lambda x: isinstance(x, QTensor)))
+
+
+def dequantize_strategy(quant: QuantConfig, backend: str | None = None) -> str:
+    """"per_layer" or "once" for quant.dequantize; "auto" resolves by backend (see config)."""
+    if quant.dequantize != "auto":
+        return quant.dequantize
+    return "once" if (backend or jax.default_backend()) == "cpu" else "per_layer"
+
+
+def dequantize_params(params: dict[str, Any], dtype) -> dict[str, Any]:
+    """The params with every QTensor replaced by its dense kernel in `dtype`."""
+    return jax.tree_util.tree_map(
+        lambda x: dequantize(x, dtype) if isinstance(x, QTensor) else x, params,
+        is_leaf=lambda x: isinstance(x, QTensor))

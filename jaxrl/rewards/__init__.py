@@ -18,6 +18,7 @@ REWARDS = {
     "cedar_coverage": "jaxrl.rewards.cedar:CoverageJudge",
     "cedar_directionality": "jaxrl.rewards.cedar:DirectionalityJudge",
     "cedar": "jaxrl.rewards.cedar:Cedar",
+    "spring": "jaxrl.rewards.spring:Spring",
 }
 
 VERIFIERS = {
@@ -27,6 +28,8 @@ VERIFIERS = {
     "numeric": "jaxrl.rewards.correctness:NUMERIC",
     "mcq": "jaxrl.rewards.correctness:MCQ",
     "python": "jaxrl.rewards.correctness:PYTHON",
+    "knk": "jaxrl.rewards.puzzles:KNK",
+    "zebra": "jaxrl.rewards.puzzles:ZEBRA",
 }
 
 

@@ -26,6 +26,12 @@ RECORDS = {
                                                "tests": [{"input": [1, 2], "output": [2, 4]},
                                                          {"input": [], "output": []}]}},
                "def transform(xs):\n    return xs\n"),
+    "knk": ({"answer": "Alice is a knight, Bob is a knave",
+             "verifier": {"kind": "knk", "people": ["Alice", "Bob"]}}, "Alice: knave, Bob: knave"),
+    "zebra": ({"answer": '{"House 1": {"Name": "Bob"}, "House 2": {"Name": "Alice"}}',
+               "verifier": {"kind": "zebra", "attributes": {"Name": ["Alice", "Bob"]},
+                            "symbols": {"Name": ["Alice", "Bob"]}}},
+              '```json\n{"solution": {"House 1": {"name": "alice"}, "House 2": {"Name": "Bob"}}}'),
 }
 
 
@@ -136,7 +142,8 @@ def test_strip_fences_and_json_equality():
 
 @pytest.mark.parametrize("record,message", [
     ({"answer": "x", "verifier": {"kind": "knk-typo"}},
-     "unknown verifier kind 'knk-typo'; known kinds: exact, label, mcq, numeric, python, set"),
+     "unknown verifier kind 'knk-typo'; known kinds: exact, knk, label, mcq, numeric, python, set, "
+     "zebra"),
     ({"answer": "x"}, "unknown verifier kind None"),
     ({"verifier": {"kind": "exact"}}, "has no gold 'answer'"),
     ({"answer": "seven", "verifier": {"kind": "numeric"}}, "gold answer 'seven' is not a number"),

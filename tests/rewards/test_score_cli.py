@@ -34,7 +34,8 @@ def test_score_correctness(tmp_path, capsys):
     assert [line["reward"] for line in lines] == [1.0, 0.0] * len(RECORDS)
     assert all(line["components"]["correctness"] == line["reward"] for line in lines)
     assert lines[1]["info"]["error"] and lines[0]["id"] == _records()[0]["id"]
-    assert "scored 12 completions with correctness: mean reward 0.5000" in capsys.readouterr().err
+    assert (f"scored {2 * len(RECORDS)} completions with correctness: mean reward 0.5000"
+            in capsys.readouterr().err)
 
 
 def test_score_cedar_against_a_local_judge(tmp_path, capsys):

@@ -1,0 +1,38 @@
+"""`jaxrl train [--config FILE] [key=value ...]`."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+QUICKSTART = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
+
+
+def register(sub) -> None:
+    train = sub.add_parser(
+        "train", help="GRPO post-training (no --config: the quickstart)",
+        description="Run GRPO: rollouts with the jitted sampler, rewards on host workers, "
+        "LoRA updates over the frozen (NF4) base. Without --config it runs "
+        "configs/quickstart.yaml on the embedded default model. Prints the run directory, which "
+        "holds config.yaml, metrics.jsonl, samples.jsonl and report.png.")
+    train.add_argument("--config", metavar="FILE", help="YAML run config")
+    train.add_argument("overrides", nargs="*", metavar="key=value",
+                       help="dotted overrides, e.g. grpo.beta=0.01 run.steps=50")
+    train.set_defaults(func=_train)
+
+
+def _train(args) -> int:
+    from jaxrl.commands import UsageError
+    from jaxrl.config import load_config
+
+    path = args.config
+    if path is None:
+        if not QUICKSTART.is_file():
+            raise UsageError(f"no --config given and the quickstart config {QUICKSTART} is "
+                             "missing (install jaxrl from its repository with pip install -e .)")
+        path = QUICKSTART
+    cfg = load_config(path, args.overrides)
+    from jaxrl.rl.loop import train
+
+    run_dir = train(cfg, log=lambda m: print(m, file=sys.stderr))
+    print(run_dir.resolve())
+    return 0

@@ -1,0 +1,1 @@
+"""Evaluation metrics over scored completions (Spring's process metrics in spring_metrics)."""

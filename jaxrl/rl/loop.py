@@ -1,0 +1,159 @@
+"""`jaxrl train`: data -> rollout -> rewards (on host workers) -> advantages -> update.
+
+With `rewards.max_staleness: 1` the rollout of step t+1 runs while step t is scored, so the
+update of step t follows it; pi_old is then the sampler's log-probs either way, which is exact
+because the update of step t uses only the tokens and log-probs of its own rollout.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl.config import Config
+from jaxrl.rewards.base import Sample
+from jaxrl.rl.advantages import compute_advantages
+from jaxrl.rl.session import Session
+from jaxrl.rl.train_step import Batch
+from jaxrl.runlog import RunLog
+from jaxrl.sampling.sampler import SampleOutput, sample
+
+
+@dataclasses.dataclass
+class Rollout:
+    """One step's prompts and completions, host side, plus timings and the reference pass."""
+
+    step: int
+    records: list[dict]  # P records, each repeated G times in the rows below
+    prompts: list[str]  # [B] rendered chat prompts
+    out: SampleOutput
+    seconds: float
+    ref_logp: jax.Array | None = None
+    ref_seconds: float = 0.0
+
+
+def _rows(out: SampleOutput) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """tokens, attention mask and positions [B, P + N] of prompt + completion."""
+    tokens = np.concatenate([out.prompt_tokens, out.tokens], axis=1)
+    mask = np.concatenate([out.prompt_mask, out.mask], axis=1)
+    positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
+    return tokens.astype(np.int32), mask, positions.astype(np.int32)
+
+
+def make_batch(rollout: Rollout, advantages: np.ndarray, keep: np.ndarray) -> Batch:
+    tokens, mask, positions = _rows(rollout.out)
+    completion_mask = rollout.out.mask & (keep[:, None] > 0)
+    return Batch(tokens=jnp.asarray(tokens), positions=jnp.asarray(positions),
+                 attn_mask=jnp.asarray(mask), completion_mask=jnp.asarray(completion_mask),
+                 logp_old=jnp.asarray(rollout.out.logprobs), advantages=jnp.asarray(advantages),
+                 ref_logp=rollout.ref_logp)
+
+
+def _rollouts(s: Session) -> Iterator[Rollout]:
+    """Each pull runs one rollout with the adapter as it is at that moment."""
+    g = s.cfg.grpo.num_generations
+    for step in range(s.start_step, s.cfg.run.steps):
+        records = next(s.data)
+        prompts = [s.render(r) for r in records for _ in range(g)]
+        start = time.perf_counter()
+        out = sample(s.params, s.spec, [s.prompt_ids(p) for p in prompts],
+                     jax.random.fold_in(s.key, step), s.cfg.sampling, lora=s.state.lora,
+                     eos_ids=s.eos_ids, detokenize=s.detokenize)
+        yield Rollout(step, [r for r in records for _ in range(g)], prompts, out,
+                      time.perf_counter() - start)
+
+
+def _reference(s: Session) -> Callable[[Rollout], None]:
+    def run(rollout: Rollout) -> None:
+        if s.cfg.grpo.beta == 0:
+            return  # no KL term, no reference pass
+        start = time.perf_counter()
+        tokens, mask, positions = _rows(rollout.out)
+        rollout.ref_logp = s.reference_logprobs(tokens, mask, positions,
+                                                rollout.out.tokens.shape[1])
+        rollout.ref_seconds = time.perf_counter() - start
+    return run
+
+
+def _samples(rollout: Rollout) -> list[Sample]:
+    return [Sample(prompt=p, completion=text, record=r)
+            for p, text, r in zip(rollout.prompts, rollout.out.texts, rollout.records)]
+
+
+def _rollout_metrics(rollout: Rollout) -> dict[str, float]:
+    lengths = rollout.out.mask.sum(axis=1)
+    truncated = np.mean([r == "length" for r in rollout.out.finish_reasons])
+    return {"completion/length_mean": float(lengths.mean()),
+            "completion/length_max": float(lengths.max()),
+            "completion/truncated_frac": float(truncated),
+            "time/rollout": rollout.seconds, "time/reference": rollout.ref_seconds,
+            "tokens/completion": float(lengths.sum())}
+
+
+def _sample_rows(rollout: Rollout, scored) -> list[dict[str, Any]]:
+    rows = []
+    for i, (prompt, text) in enumerate(zip(rollout.prompts, rollout.out.texts)):
+        components = {name: {"value": rs[i].value, **dict(rs[i].components)}
+                      for name, rs in scored.results.items()}
+        rows.append({"id": rollout.records[i].get("id"), "prompt": prompt, "completion": text,
+                     "reward": scored.rewards[i], "components": components,
+                     "finish_reason": rollout.out.finish_reasons[i]})
+    return rows
+
+
+def _step_metrics(s: Session, rollout: Rollout, scored, adv, update: dict, seconds: dict):
+    rewards = np.asarray(scored.rewards)
+    metrics = {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
+               **{k.replace("rewards/", "reward/", 1): v for k, v in scored.metrics.items()
+                  if k != "rewards/mean"},
+               **{f"grpo/{k}": float(v) for k, v in adv.metrics.items()},
+               **_rollout_metrics(rollout),
+               **{("loss/" + k if k in ("kl", "loss") else "train/" + k): float(v)
+                  for k, v in update.items()},
+               "train/lr": float(s.schedule(int(s.state.step))), **seconds}
+    metrics["time/reward"] = scored.metrics["rewards/time_s"]
+    metrics["time/reward_wait"] = scored.metrics["rewards/wait_s"]
+    metrics["tokens_per_s"] = metrics.pop("tokens/completion") / max(seconds["time/step"], 1e-9)
+    return metrics
+
+
+def _update(s: Session, rollout: Rollout, scored):
+    adv = compute_advantages(np.asarray(scored.rewards, np.float32),
+                             s.cfg.grpo.num_generations, scale=s.cfg.grpo.scale_rewards,
+                             filter_zero_spread=s.cfg.grpo.filter_zero_spread)
+    batch = make_batch(rollout, np.asarray(adv.advantages), np.asarray(adv.keep))
+    start = time.perf_counter()
+    for _ in range(s.cfg.grpo.num_iterations):
+        s.state, update = s.train_step(s.state, s.params, batch)
+    update = jax.device_get(update)
+    return adv, update, time.perf_counter() - start
+
+
+def train(cfg: Config, log: Callable[[str], None] = print) -> Path:
+    """Runs GRPO as configured; returns the run directory (it holds the logs and report)."""
+    runlog = RunLog(cfg)
+    log(f"run directory: {runlog.dir.resolve()}")
+    with Session(cfg, log) as s:
+        try:
+            last = time.perf_counter()
+            for rollout, scored in s.pipelined(_rollouts(s), _samples, _reference(s)):
+                adv, update, update_s = _update(s, rollout, scored)
+                now = time.perf_counter()
+                seconds = {"time/update": update_s, "time/step": now - last}
+                last = now
+                metrics = _step_metrics(s, rollout, scored, adv, update, seconds)
+                runlog.log_step(rollout.step + 1, metrics)
+                every = cfg.logging.samples_every
+                if every and (rollout.step + 1) % every == 0:
+                    runlog.log_samples(rollout.step + 1, _sample_rows(rollout, scored))
+                s.progress(rollout.step + 1, metrics)
+        finally:
+            report = runlog.finish()
+            if report is not None:
+                log(f"report: {report.resolve()}")
+    return runlog.dir
