@@ -353,6 +353,11 @@ def _check_rewards(rewards: RewardsConfig) -> None:
 
 
 def _check_cross(cfg: Config) -> None:
+    if not cfg.model.path.strip():
+        raise ConfigError("config key 'model.path' is empty: this config needs a base model; "
+                          "pass model.path=DIR (a local Hugging Face directory, e.g. a download "
+                          "of Qwen/Qwen3-4B), model.path=ORG/NAME (a hub id, when the network "
+                          "allows) or model.path=default (the embedded SmolLM2-135M-Instruct)")
     _check_rewards(cfg.rewards)
 
 
