@@ -140,19 +140,11 @@ def _transposed_key_attention(mask: jax.Array, cache_kt: jax.Array, cache_v: jax
     """Attention over one `LayerKVCache` layer, this call's keys written at slot start; computed
     in the cache dtype."""
     def attention(q, k, v):
-        if cache_kt.dtype == jnp.uint16:
-            kt = jax.lax.bitcast_convert_type(k.transpose(0, 2, 3, 1).astype(jnp.bfloat16), jnp.uint16)
-            v = jax.lax.bitcast_convert_type(v.transpose(0, 2, 1, 3).astype(jnp.bfloat16), jnp.uint16)
-        else:
-            kt = k.transpose(0, 2, 3, 1).astype(cache_kt.dtype)  # [B, K, D, T]
-            v = v.transpose(0, 2, 1, 3).astype(cache_v.dtype)  # [B, K, T, D]
+        kt = k.transpose(0, 2, 3, 1).astype(cache_kt.dtype)  # [B, K, D, T]
+        v = v.transpose(0, 2, 1, 3).astype(cache_v.dtype)  # [B, K, T, D]
         kt = jax.lax.dynamic_update_slice(cache_kt, kt, (0, 0, 0, start))
         v = jax.lax.dynamic_update_slice(cache_v, v, (0, 0, start, 0))
-        if cache_kt.dtype == jnp.uint16:
-            kd, vd = (jax.lax.bitcast_convert_type(a, jnp.bfloat16) for a in (kt, v))
-        else:
-            kd, vd = kt, v
-        out = attend(q.astype(kd.dtype), kd, vd, mask, keys_transposed=True)
+        out = attend(q.astype(kt.dtype), kt, v, mask, keys_transposed=True)
         return out.astype(q.dtype), (kt, v)
     return attention
 

@@ -14,23 +14,25 @@ top-k / top-p / min-p filtering (what `jaxrl.rl.logprobs.token_logprobs(..., tem
 computes, so the GRPO ratio starts at 1); for T = 0 (greedy) under the untempered
 log_softmax(logits).
 
-Layer loops (`layer_loop`), chosen per backend and weight format by "auto":
+Layer loops (`layer_loop`), chosen per backend and weight format by "auto" (measurements in
+docs/benchmarks.md):
   "scan"      `hidden_states`: `lax.scan` over the stacked layers and a [L, B, K, S, D] cache.
               NF4 / int4 kernels are dequantized per layer inside the scan, so one layer is dense
               at a time even inside the decode loop (tests/sampling/test_memory.py checks the
-              compiled program). Used for quantized params on every backend, and for all params
-              on GPU / TPU.
-  "unrolled"  `unrolled_hidden_states`: the layers unrolled in Python, one cache array per layer
-              with keys stored [B, K, D, S]. Used for dense params on CPU. Measured on XLA:CPU
-              (SmolLM2-135M, 2 cores): a scan copies each layer's weights and cache out of the
-              stacks every step, and a [L, B, S, K, D] cache costs transposed copies (attention
-              at B = 32: 136 ms a step; 26 ms as [B, K, S, D]; 17 ms with keys [B, K, D, S]).
-              The layer slices of the stacked weights are loop-invariant, so XLA copies them out
-              once per call (temporary memory: one copy of the dense layer weights), not once
-              per step. Quantized kernels are refused: their dequantization would be hoisted too.
-Both loops run the same `decoder_layer` and are tested against transformers' greedy generate.
-The KV cache is float32 by default: on CPU a bf16 cache is slower (conversions on every read),
-while bf16 weights pay off because every matmul accumulates in float32.
+              compiled program). Used for quantized params on every backend and for all params
+              off CPU.
+  "unrolled"  `unrolled_hidden_states`: the layers unrolled in Python over per-layer weights and
+              a per-layer cache with keys stored [B, K, D, S]. Used for dense params on CPU, where
+              a scan copies every layer's weights and cache out of their stacks on every step.
+              The per-layer weights are sliced once per call, before the decode loop, behind an
+              optimization barrier (XLA would sink the slices into the loop body and copy the
+              weights every step again); temporary memory: one copy of the dense layer weights.
+              Quantized kernels are refused: their dequantization would be hoisted the same way.
+Both loops run the same `decoder_layer`; both are tested against transformers' greedy generate.
+On CPU the KV cache is float32: XLA:CPU computes bf16 elementwise ops in float32, so writing a
+step's keys into a bf16 cache converts the whole cache twice per layer, while a float32 cache is
+updated in place. bf16 weights pay off for two rows and more (every matmul accumulates in
+float32); XLA:CPU multiplies a single bf16 row ~5x slower than two, so one bf16 row decodes as two.
 
 Buckets: P and N are rounded up to powers of two (jaxrl/sampling/buckets.py) and the requested
 `max_new_tokens` is a traced scalar, so the number of compiled programs stays bounded; decoding
@@ -122,8 +124,8 @@ def _unstacked(params: Params, lora: Lora | None):
 
 
 def _min_rows(params: Params, layer_loop: str) -> int:
-    """XLA:CPU multiplies one bf16 row by a kernel ~8x slower than two rows (30 [576, 1536]
-    kernels: 39 ms against 4.8 ms), so the unrolled loop decodes a single bf16 row as two."""
+    """XLA:CPU multiplies one bf16 row by a kernel 5-8x slower than two rows (60 [576, 1536]
+    kernels: 139 ms against 26 ms), so the unrolled loop decodes a single bf16 row as two."""
     bf16 = params["embed_tokens"]["embedding"].dtype == jnp.bfloat16
     return 2 if layer_loop == "unrolled" and bf16 else 1
 
@@ -136,8 +138,8 @@ def generate(params: Params, prompt: jax.Array, prompt_mask: jax.Array, key: jax
              layer_loop: str) -> Generation:
     """Prefill the left-padded prompt [B, P] (mask [B, P]), then decode up to max_new_tokens
     (a traced int32 <= max_new_bucket) new tokens per row; layer_loop "scan" or "unrolled".
-    The KV cache has the dtype of the activations (the embedding's), which is lossless: keys
-    and values are computed in that dtype."""
+    The KV cache is float32 on CPU (module docstring) and in the activations' dtype (the
+    embedding's) elsewhere, which is lossless: keys and values are computed in that dtype."""
     rows = prompt.shape[0]
     extra = max(_min_rows(params, layer_loop) - rows, 0)
     prompt, prompt_mask = (jnp.pad(x, ((0, extra), (0, 0)), mode="edge")
@@ -150,10 +152,11 @@ def generate(params: Params, prompt: jax.Array, prompt_mask: jax.Array, key: jax
 
 def _generate(params, prompt, prompt_mask, key, max_new_tokens, lora, *, spec, decoding,
               eos_ids, max_new_bucket, layer_loop) -> Generation:
+    """`generate` for a batch the layer loop runs as it is."""
     b, p = prompt.shape
     n = max_new_bucket
-    import os
-    cache_dtype = {"f32": jnp.float32, "u16": jnp.uint16, "bf16": jnp.bfloat16}[os.environ.get("CACHE", "f32")]
+    on_cpu = jax.default_backend() == "cpu"
+    cache_dtype = jnp.float32 if on_cpu else params["embed_tokens"]["embedding"].dtype
     attn_mask = jnp.concatenate([prompt_mask, jnp.ones((b, n), bool)], axis=1)  # [B, S]
     make_cache, run_layers = init_cache, hidden_states
     if layer_loop == "unrolled":

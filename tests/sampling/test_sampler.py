@@ -93,8 +93,10 @@ def test_tokens_after_eos_are_masked(models):
     free = sample(params, spec, PROMPTS, jax.random.PRNGKey(1),
                   SamplingConfig(temperature=1.0, max_new_tokens=40))
     eos = int(free.tokens[0, 5])  # a token row 0 emits at column 5 (maybe earlier too)
+    detok = lambda ids: ",".join(map(str, ids))
     out = sample(params, spec, PROMPTS, jax.random.PRNGKey(1),
-                 SamplingConfig(temperature=1.0, max_new_tokens=40), eos_ids=(eos, 127))
+                 SamplingConfig(temperature=1.0, max_new_tokens=40), eos_ids=(eos, 127),
+                 detokenize=detok)
     for row in range(3):
         hits = np.flatnonzero(np.isin(free.tokens[row], [eos, 127]))
         end = hits[0] + 1 if len(hits) else 40
@@ -102,6 +104,7 @@ def test_tokens_after_eos_are_masked(models):
         np.testing.assert_array_equal(out.tokens[row, :end], free.tokens[row, :end])
         assert (out.tokens[row, end:] == eos).all()  # the pad id is the first EOS id
         assert (out.logprobs[row, end:] == 0).all()
+        assert out.texts[row] == detok(free.tokens[row, :end])  # what rewards see
         assert out.finish_reasons[row] == ("stop" if len(hits) else "length")
     assert out.finish_reasons[0] == "stop"
 
