@@ -52,8 +52,13 @@ _TOKEN = re.compile(r"[ \t\r\n]+|;[^\n]*|\(|\)|-?[0-9]+(?![A-Za-z0-9_.+*/<>=!?~%
 _HEAD = re.compile(r"(\((?:assert|step))(?![A-Za-z0-9_.+*/<>=!?~%^&$@:#-])")
 
 
+_INTEGER = re.compile(r"-?[0-9]+")
+
+
 def _atom(token: str, limits: Limits) -> str | int:
     if token[0].isdigit() or (token[0] == "-" and len(token) > 1 and token[1].isdigit()):
+        if not _INTEGER.fullmatch(token):  # e.g. "-0=": neither a number nor a symbol
+            raise FormalSyntaxError(f"token {token[:12]!r} starts like a number but is not one")
         if len(token.lstrip("-")) > limits.max_int_digits:
             raise FormalSyntaxError(f"integer {token[:12]}... has more than "
                                     f"{limits.max_int_digits} digits")

@@ -57,3 +57,9 @@ def test_caps_count_extra_forms_without_reading_them():
     trace = extract("(assert a) (assert b) (assert c) (step 1 a) (step 2 (((", limits)
     assert [p.expr for p in trace.premises] == ["a", "b"] and len(trace.steps) == 1
     assert trace.dropped == 2 and trace.forms == 5
+
+
+def test_token_that_starts_like_a_number_is_a_syntax_error():
+    with pytest.raises(FormalSyntaxError, match="starts like a number"):
+        read_form("(assert -0=)", 0)
+    assert read_form("(assert (= x -12))", 0)[0] == ("assert", ("=", "x", -12))
