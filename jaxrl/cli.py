@@ -39,9 +39,11 @@ def _exit_code(error: BaseException) -> int | None:
     from jaxrl.hf.default_model import DefaultModelError, ModelPathError
     from jaxrl.hf.keymap import KeyMapError
     from jaxrl.hf.safetensors_io import SafetensorsError
+    from jaxrl.hf.tokenizer import TokenizerError
+    from jaxrl.lora.peft_io import AdapterError
     from jaxrl.model.families import ModelConfigError
 
-    usage = (ConfigError, UsageError, ModelPathError)
+    usage = (ConfigError, UsageError, ModelPathError, TokenizerError, AdapterError)
     runtime = (ModelConfigError, KeyMapError, SafetensorsError, DefaultModelError,
                FileNotFoundError)
     if isinstance(error, usage):
