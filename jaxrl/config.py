@@ -104,6 +104,7 @@ class LoraConfig(_Group):
     alpha: float = _setting(32.0, gt=0)
     targets: _STRS = _setting(LORA_TARGETS, choices=LORA_TARGETS, nonempty=True)
     dropout: float = _setting(0.0, ge=0, lt=1)
+    init_from: str = ""  # a PEFT adapter directory to start from; "" = a fresh adapter
 
 
 @dataclass(frozen=True)
@@ -171,6 +172,16 @@ class OptimConfig(_Group):
 
 
 @dataclass(frozen=True)
+class SftConfig(_Group):
+    """Supervised fine-tuning (`jaxrl sft`) on chat records: the loss covers assistant tokens."""
+    batch_size: int = _setting(8, ge=1)  # sequences per step
+    max_length: int = _setting(1024, ge=2)  # tokens per sequence; longer ones lose their end
+    # batches are drawn by length from windows of this many batches (less padding per batch)
+    length_window: int = _setting(16, ge=1)
+    eval_every: int = _setting(0, ge=0)  # steps between eval losses on data.eval_file; 0 = off
+
+
+@dataclass(frozen=True)
 class RewardEntry:
     """One reward function of `rewards.functions` and its weight in the summed reward. In YAML
     an entry is {name: correctness, weight: 1.0} or just the name (weight 1.0)."""
@@ -213,9 +224,11 @@ class JudgeConfig(_Group):
 @dataclass(frozen=True)
 class CheckpointConfig(_Group):
     """How often checkpoints are written and kept, and whether a run resumes from them."""
-    every: int = _setting(50, ge=0)  # 0 = off
+    every: int = _setting(50, ge=0)  # 0 = off (the adapter is still exported at the end)
     keep: int = _setting(3, ge=1)
-    resume: bool = True
+    # auto: from the latest complete checkpoint in run.output_dir, if any; never: start fresh
+    # (refused when run.output_dir holds checkpoints); or a run directory or checkpoints/N
+    resume: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -237,6 +250,7 @@ class Config:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     grpo: GrpoConfig = field(default_factory=GrpoConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    sft: SftConfig = field(default_factory=SftConfig)
     rewards: RewardsConfig = field(default_factory=RewardsConfig)
     judge: JudgeConfig = field(default_factory=JudgeConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -358,6 +372,9 @@ def _check_cross(cfg: Config) -> None:
                           "pass model.path=DIR (a local Hugging Face directory, e.g. a download "
                           "of Qwen/Qwen3-4B), model.path=ORG/NAME (a hub id, when the network "
                           "allows) or model.path=default (the embedded SmolLM2-135M-Instruct)")
+    if not cfg.checkpoint.resume.strip():
+        raise ConfigError("config key 'checkpoint.resume' must be auto, never or the path of a "
+                          "run directory or checkpoints/N directory; got ''")
     _check_rewards(cfg.rewards)
 
 

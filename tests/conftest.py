@@ -19,3 +19,20 @@ def default_model_dir():
     from jaxrl.hf.default_model import prepare_default
 
     return prepare_default()
+
+
+@pytest.fixture(scope="session")
+def tiny_chat(default_model_dir, tmp_path_factory):
+    """(directory, transformers model) of a tiny random llama carrying the default model's
+    tokenizer, chat template and generation config (real chat prompts and EOS ids)."""
+    import shutil
+
+    from tests.tiny_models import make_model
+
+    path = tmp_path_factory.mktemp("tiny_chat")
+    model = make_model("llama", vocab_size=49152)
+    model.save_pretrained(path)
+    for f in default_model_dir.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "generation_config")):
+            shutil.copy(f, path / f.name)
+    return path, model

@@ -46,7 +46,7 @@ def test_defaults():
     assert cfg.rewards.functions == (RewardEntry("correctness", 1.0), RewardEntry("format", 1.0))
     assert cfg.rewards.cedar_weights == (1.0, 0.25, 0.25)
     assert cfg.judge.api_key_env == "OPENAI_API_KEY" and cfg.judge.api_key == ""
-    assert cfg.checkpoint.every == 50 and cfg.checkpoint.resume is True
+    assert cfg.checkpoint.every == 50 and cfg.checkpoint.resume == "auto"
     assert validate(cfg) == cfg
 
 
@@ -97,7 +97,7 @@ def test_round_trip(tmp_path):
         "lora.targets=q_proj,o_proj",
         "rewards.functions=[{name: correctness, weight: 2}, format]",
         'sampling.stop=["null", "\\n", "</answer>"]',
-        "quant.mode=none", "checkpoint.resume=false", "mesh.data=2",
+        "quant.mode=none", "checkpoint.resume=never", "mesh.data=2",
     ])
     path = tmp_path / "out" / "config.yaml"
     dump_yaml(cfg, path)
@@ -159,7 +159,7 @@ def test_unknown_key_in_yaml_names_file(tmp_path):
 
 def test_unknown_group():
     with _raises("unknown config group 'grpp'; valid groups: checkpoint, data, grpo, judge, "
-                 "logging, lora, mesh, model, optim, quant, rewards, run, sampling; "
+                 "logging, lora, mesh, model, optim, quant, rewards, run, sampling, sft; "
                  "did you mean 'grpo'?") as err:
         from_dict({"grpp": {"beta": 0.1}})
     assert err.value.exit_code == 2
@@ -236,19 +236,19 @@ def test_override_without_equals_shows_expected_form():
 
 def test_override_scalars():
     cfg = apply_overrides(Config(), ["grpo.beta=0.01", "run.steps=3", "optim.lr=1e-4",
-                                     "lora.alpha=16", "checkpoint.resume=false",
+                                     "lora.alpha=16", "logging.tensorboard=true",
                                      "grpo.filter_zero_spread=yes"])
     assert cfg.grpo.beta == 0.01
     assert cfg.run.steps == 3 and isinstance(cfg.run.steps, int)
     assert cfg.optim.lr == pytest.approx(1e-4)
     assert cfg.lora.alpha == 16.0 and isinstance(cfg.lora.alpha, float)
-    assert cfg.checkpoint.resume is False and cfg.grpo.filter_zero_spread is True
+    assert cfg.logging.tensorboard is True and cfg.grpo.filter_zero_spread is True
 
 
 def test_override_bool_rejects_non_bools():
     for text in ("1", "0", "maybe"):
-        with pytest.raises(ConfigError, match=r"'checkpoint\.resume' expects bool"):
-            apply_overrides(Config(), [f"checkpoint.resume={text}"])
+        with pytest.raises(ConfigError, match=r"'logging\.tensorboard' expects bool"):
+            apply_overrides(Config(), [f"logging.tensorboard={text}"])
 
 
 def test_override_lists():

@@ -4,7 +4,8 @@ fp32) on the same model, prompt and settings, in one run.
 Every configuration decodes a fixed number of new tokens with EOS ignored from one chat prompt
 repeated over the batch; tokens per second = batch * new tokens / wall time of one call, after
 one warm-up call (jaxrl's warm-up compiles). For each batch and mode the three implementations run
-back to back, so their ratio is measured under the same machine load.
+back to back, so their ratio is measured under the same machine load; the last column is the
+1-minute load average after the row (2 cores: above ~2 other jobs compete for them).
 
     python tools/bench_sampler.py                       # the docs/benchmarks.md table
     python tools/bench_sampler.py --batches 1,8 --new-tokens 32 --modes greedy
@@ -90,8 +91,8 @@ def main() -> None:
     hf.generation_config.eos_token_id = None  # EOS ignored, as for jaxrl (eos_ids=())
     print(f"model {model_dir.name}, prompt {len(prompt_ids)} tokens, {args.new_tokens} new "
           f"tokens, torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f}")
-    print("| batch | mode | transformers fp32 | jaxrl fp32 | ratio | jaxrl bf16 | ratio |")
-    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: |")
+    print("| batch | mode | transformers fp32 | jaxrl fp32 | ratio | jaxrl bf16 | ratio | load |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for batch in (int(b) for b in args.batches.split(",")):
         for mode in args.modes.split(","):
             t = MODES[mode]
@@ -100,7 +101,7 @@ def main() -> None:
             r32 = rate(_jaxrl_runner(p32, spec, prompt_ids, batch, t, args.new_tokens))
             r16 = rate(_jaxrl_runner(p16, spec, prompt_ids, batch, t, args.new_tokens))
             print(f"| {batch} | {mode} | {hf_rate:.1f} | {r32:.1f} | {r32 / hf_rate:.2f}x | "
-                  f"{r16:.1f} | {r16 / hf_rate:.2f}x |", flush=True)
+                  f"{r16:.1f} | {r16 / hf_rate:.2f}x | {os.getloadavg()[0]:.1f} |", flush=True)
     print(f"load average at the end {os.getloadavg()[0]:.2f}")
 
 

@@ -65,8 +65,8 @@ def _targets(cfg: dict[str, Any], path: Path) -> tuple[str, ...]:
     return tuple(t for t in LINEAR_NAMES if t in names)
 
 
-def _expected_keys(spec: ModelSpec, targets: tuple[str, ...]) -> dict[str, tuple[str, int, str]]:
-    """{PEFT key: (target, layer, "a" | "b")}."""
+def peft_keys(spec: ModelSpec, targets: tuple[str, ...]) -> dict[str, tuple[str, int, str]]:
+    """{PEFT key: (target, layer, "a" | "b")}: the names import reads and export writes."""
     keys = {}
     for name in targets:
         for i in range(spec.num_layers):
@@ -83,7 +83,7 @@ def load_peft_adapter(adapter_dir: str | Path, spec: ModelSpec, dtype=jnp.float3
     cfg = _read_config(adapter_dir)
     rank, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
     targets = _targets(cfg, adapter_dir / ADAPTER_CONFIG)
-    expected = _expected_keys(spec, targets)
+    expected = peft_keys(spec, targets)
     weights_path = adapter_dir / ADAPTER_WEIGHTS
     if not weights_path.is_file():
         raise AdapterError(f"no {ADAPTER_WEIGHTS} in {adapter_dir}")

@@ -7,6 +7,7 @@ because the update of step t uses only the tokens and log-probs of its own rollo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -15,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl import distributed
+from jaxrl.checkpoint import trim_logs
 from jaxrl.config import Config
 from jaxrl.rewards.base import Sample
 from jaxrl.rl.advantages import compute_advantages
@@ -45,33 +48,40 @@ def _rows(out: SampleOutput) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return tokens.astype(np.int32), mask, positions.astype(np.int32)
 
 
-def make_batch(rollout: Rollout, advantages: np.ndarray, keep: np.ndarray) -> Batch:
+def make_batch(rollout: Rollout, advantages: np.ndarray, keep: np.ndarray,
+               to_device=functools.partial(jax.tree_util.tree_map, jnp.asarray)) -> Batch:
+    """The update's batch; to_device places host rows (`Session.to_device` on a mesh)."""
     tokens, mask, positions = _rows(rollout.out)
     completion_mask = rollout.out.mask & (keep[:, None] > 0)
-    return Batch(tokens=jnp.asarray(tokens), positions=jnp.asarray(positions),
-                 attn_mask=jnp.asarray(mask), completion_mask=jnp.asarray(completion_mask),
-                 logp_old=jnp.asarray(rollout.out.logprobs), advantages=jnp.asarray(advantages),
-                 ref_logp=rollout.ref_logp)
+    rows = to_device((tokens, positions, mask, completion_mask, rollout.out.logprobs,
+                      advantages))
+    return Batch(*rows, ref_logp=rollout.ref_logp)
 
 
-def _rollouts(s: Session) -> Iterator[Rollout]:
-    """Each pull runs one rollout with the adapter as it is at that moment."""
+def _rollouts(s: Session, pulled: list[Rollout]) -> Iterator[Rollout]:
+    """Each pull runs one rollout with the adapter as it is at that moment (a resumed run first
+    yields the rollout its checkpoint saved); the latest pulled is kept in `pulled[0]`."""
     g = s.cfg.grpo.num_generations
-    for step in range(s.start_step, s.cfg.run.steps):
-        records = next(s.data)
+    resumed = s.pending is not None and s.start_step < s.cfg.run.steps
+    if resumed:
+        pulled[:] = [Rollout(**s.pending)]
+        yield pulled[0]
+    for step in range(s.start_step + resumed, s.cfg.run.steps):
+        records = next(s.data)[s.prompts]  # this process's prompts, all G rows of each
         prompts = [s.render(r) for r in records for _ in range(g)]
         start = time.perf_counter()
         out = sample(s.params, s.spec, [s.prompt_ids(p) for p in prompts],
                      jax.random.fold_in(s.key, step), s.cfg.sampling, lora=s.state.lora,
-                     eos_ids=s.eos_ids, detokenize=s.detokenize)
-        yield Rollout(step, [r for r in records for _ in range(g)], prompts, out,
-                      time.perf_counter() - start)
+                     eos_ids=s.eos_ids, detokenize=s.detokenize, shardings=s.rules)
+        pulled[:] = [Rollout(step, [r for r in records for _ in range(g)], prompts, out,
+                             time.perf_counter() - start)]
+        yield pulled[0]
 
 
 def _reference(s: Session) -> Callable[[Rollout], None]:
     def run(rollout: Rollout) -> None:
-        if s.cfg.grpo.beta == 0:
-            return  # no KL term, no reference pass
+        if s.cfg.grpo.beta == 0 or rollout.ref_logp is not None:
+            return  # no KL term, or a resumed rollout whose pass was saved with it
         start = time.perf_counter()
         tokens, mask, positions = _rows(rollout.out)
         rollout.ref_logp = s.reference_logprobs(tokens, mask, positions,
@@ -123,10 +133,12 @@ def _step_metrics(s: Session, rollout: Rollout, scored, adv, update: dict, secon
 
 
 def _update(s: Session, rollout: Rollout, scored):
-    adv = compute_advantages(np.asarray(scored.rewards, np.float32),
-                             s.cfg.grpo.num_generations, scale=s.cfg.grpo.scale_rewards,
+    rewards = distributed.gather_rows(np.asarray(scored.rewards, np.float32), s.row_range[0])
+    adv = compute_advantages(rewards, s.cfg.grpo.num_generations, scale=s.cfg.grpo.scale_rewards,
                              filter_zero_spread=s.cfg.grpo.filter_zero_spread)
-    batch = make_batch(rollout, np.asarray(adv.advantages), np.asarray(adv.keep))
+    mine = slice(*s.row_range)  # advantages see every process's rows; the batch holds ours
+    batch = make_batch(rollout, np.asarray(adv.advantages)[mine], np.asarray(adv.keep)[mine],
+                       s.to_device)
     start = time.perf_counter()
     for _ in range(s.cfg.grpo.num_iterations):
         s.state, update = s.train_step(s.state, s.params, batch)
@@ -139,19 +151,26 @@ def train(cfg: Config, log: Callable[[str], None] = print) -> Path:
     runlog = RunLog(cfg)
     log(f"run directory: {runlog.dir.resolve()}")
     with Session(cfg, log) as s:
+        trim_logs(runlog.dir, s.start_step, log)
+        pulled: list[Rollout] = []
         try:
             last = time.perf_counter()
-            for rollout, scored in s.pipelined(_rollouts(s), _samples, _reference(s)):
+            for rollout, scored in s.pipelined(_rollouts(s, pulled), _samples, _reference(s)):
                 adv, update, update_s = _update(s, rollout, scored)
                 now = time.perf_counter()
                 seconds = {"time/update": update_s, "time/step": now - last}
                 last = now
-                metrics = _step_metrics(s, rollout, scored, adv, update, seconds)
-                runlog.log_step(rollout.step + 1, metrics)
+                metrics = distributed.combine_metrics(
+                    _step_metrics(s, rollout, scored, adv, update, seconds))
+                if jax.process_index() == 0:  # one run log; every process has the same
+                    runlog.log_step(rollout.step + 1, metrics)
                 every = cfg.logging.samples_every
                 if every and (rollout.step + 1) % every == 0:
                     runlog.log_samples(rollout.step + 1, _sample_rows(rollout, scored))
+                ahead = pulled[0] if pulled[0].step == rollout.step + 1 else None
+                s.checkpoints.after_step(rollout.step + 1, s.state, s.key, s.data, ahead)
                 s.progress(rollout.step + 1, metrics)
+            s.checkpoints.finish(cfg.run.steps, s.state)
         finally:
             report = runlog.finish()
             if report is not None:

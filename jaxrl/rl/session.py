@@ -10,19 +10,20 @@ import jax
 import jax.numpy as jnp
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from jaxrl import distributed
+from jaxrl.checkpoint import Checkpoints, start_lora
 from jaxrl.config import Config
 from jaxrl.data.pipeline import build_pool, train_iterator
 from jaxrl.data.prompts import prompt_fits
 from jaxrl.hf.default_model import resolve_model_path
-from jaxrl.hf.load import load_params
 from jaxrl.hf.tokenizer import (chat_prompt_text, detokenizer, eos_token_ids, load_tokenizer,
                                 text_ids)
-from jaxrl.lora.lora import init_lora
 from jaxrl.model.families import load_spec
-from jaxrl.quant.qparams import dequantize_params, dequantize_strategy
+from jaxrl.quant.qparams import dequantize_strategy
 from jaxrl.rewards.pool import RewardPool, pipelined
 from jaxrl.rl.logprobs import token_logprobs
 from jaxrl.rl.train_step import StepOptions, compile_train_step, init_train_state, make_optimizer
+from jaxrl.sharding import place, step_shardings
 
 
 def learner_temperature(cfg: Config) -> float:
@@ -30,9 +31,23 @@ def learner_temperature(cfg: Config) -> float:
     return cfg.sampling.temperature if cfg.sampling.temperature > 0 else 1.0
 
 
+def step_options(cfg: Config) -> StepOptions:
+    """The train step's static settings; micro-batches from optim.micro_batch_size."""
+    rows = cfg.data.prompts_per_step * cfg.grpo.num_generations
+    micro = cfg.optim.micro_batch_size or rows
+    if rows % micro:
+        from jaxrl.config import ConfigError
+        raise ConfigError(f"config key 'optim.micro_batch_size' = {micro} must divide the "
+                          f"{rows} rows of a step (data.prompts_per_step * "
+                          "grpo.num_generations)")
+    return StepOptions(grpo=cfg.grpo, temperature=learner_temperature(cfg),
+                       max_new_tokens=cfg.sampling.max_new_tokens, micro_batches=rows // micro)
+
+
 class Session:
     def __init__(self, cfg: Config, log: Callable[[str], None] = print):
         self.cfg, self.log = cfg, log
+        self.rules = distributed.session_rules(cfg.mesh)  # None: one device
         model_dir = resolve_model_path(cfg.model.path)
         self.spec = load_spec(model_dir)
         self.tokenizer = load_tokenizer(model_dir)
@@ -41,36 +56,36 @@ class Session:
         log(f"loading {model_dir} ({self.spec.family}, {self.spec.num_layers} layers) as "
             f"{cfg.quant.mode} + LoRA r{cfg.lora.rank}")
         dtype = jnp.dtype(cfg.model.dtype)
-        _, self.params = load_params(model_dir, self.spec, dtype, cfg.quant)
+        self.params = distributed.load_params(model_dir, self.spec, dtype, cfg.quant, self.rules)
         if dequantize_strategy(cfg.quant) == "once":
-            self.params = dequantize_params(self.params, dtype)
+            self.params = distributed.dequantized(self.params, dtype, self.spec, self.rules)
         self.key = jax.random.PRNGKey(cfg.run.seed)
-        lora = init_lora(self.spec, jax.random.fold_in(self.key, 1 << 20), rank=cfg.lora.rank,
-                         alpha=cfg.lora.alpha, targets=cfg.lora.targets,
-                         dropout=cfg.lora.dropout)
+        lora = start_lora(cfg, self.spec, jax.random.fold_in(self.key, 1 << 20))
         optimizer, self.schedule = make_optimizer(cfg.optim, cfg.run.steps)
         self.state = init_train_state(lora, optimizer)
-        self.train_step = compile_train_step(self.spec, optimizer, self._step_options())
+        rows = cfg.data.prompts_per_step * cfg.grpo.num_generations
+        self.prompts = distributed.prompt_slice(self.rules, cfg.data.prompts_per_step,
+                                                cfg.grpo.num_generations)  # this process's
+        self.row_range = (self.prompts.start * cfg.grpo.num_generations,
+                          self.prompts.stop * cfg.grpo.num_generations)
+        shardings = None if self.rules is None else step_shardings(
+            self.rules, self.state, self.params, self.spec, optimizer, rows)
+        self.train_step = compile_train_step(self.spec, optimizer, step_options(cfg), shardings)
         pool = build_pool(cfg.data, keep=prompt_fits(self.tokenizer, cfg.data.max_prompt_tokens))
         self.data = train_iterator(pool, cfg.data)
-        self.start_step = 0
+        self.checkpoints = Checkpoints(cfg, model_dir, self.spec, log)
+        self.start_step, self.pending = 0, None  # pending: Rollout fields sampled before a stop
+        restored = self.checkpoints.restore(self.state, self.data)
+        if restored is not None:
+            self.state, self.key = restored.state, restored.key
+            self.start_step, self.pending = restored.step, restored.pending
+        if shardings is not None:
+            self.state = place(self.state, shardings[0][0])
         self.rewards = RewardPool(cfg)
         self._progress = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(),
                                   TimeElapsedColumn(), TextColumn("{task.description}"),
                                   console=None, transient=False, disable=not sys.stderr.isatty())
         self._task = self._progress.add_task("", total=cfg.run.steps, completed=self.start_step)
-
-    def _step_options(self) -> StepOptions:
-        cfg = self.cfg
-        rows = cfg.data.prompts_per_step * cfg.grpo.num_generations
-        micro = cfg.optim.micro_batch_size or rows
-        if rows % micro:
-            from jaxrl.config import ConfigError
-            raise ConfigError(f"config key 'optim.micro_batch_size' = {micro} must divide the "
-                              f"{rows} rows of a step (data.prompts_per_step * "
-                              "grpo.num_generations)")
-        return StepOptions(grpo=cfg.grpo, temperature=learner_temperature(cfg),
-                           max_new_tokens=cfg.sampling.max_new_tokens, micro_batches=rows // micro)
 
     def render(self, record: dict) -> str:
         return chat_prompt_text(self.tokenizer, record["messages"]) + self.cfg.data.response_prefix
@@ -87,7 +102,11 @@ class Session:
 
     def reference_logprobs(self, tokens, mask, positions, width: int) -> jax.Array:
         """Log-probs [B, width] of the completion tokens under the frozen base (LoRA off)."""
-        return self._reference_fn(self.params, tokens, mask, positions, width)
+        return self._reference_fn(self.params, *self.to_device((tokens, mask, positions)), width)
+
+    def to_device(self, rows):
+        """This process's rows [R, ...] (numpy) as the programs take them (jaxrl/distributed.py)."""
+        return distributed.to_device(self.rules, rows)
 
     def pipelined(self, rollouts, samples_of, overlap):
         return pipelined(self.rewards, rollouts, samples_of, self.cfg.rewards.max_staleness,
@@ -107,3 +126,4 @@ class Session:
     def __exit__(self, *exc) -> None:
         self._progress.stop()
         self.rewards.close()
+        self.checkpoints.close()

@@ -102,6 +102,19 @@ def _split(tree, m: int):
     return jax.tree_util.tree_map(lambda x: x.reshape(m, x.shape[0] // m, *x.shape[1:]), tree)
 
 
+def sum_over_micro_batches(fn, xs, micro_batches: int):
+    """fn(*xs) summed over the M micro-batches of xs (a tuple of pytrees of [B, ...] leaves),
+    one at a time in a `lax.scan`; fn(*xs) itself when M is 1."""
+    if micro_batches == 1:
+        return fn(*xs)
+    split = _split(xs, micro_batches)
+    first = jax.tree_util.tree_map(lambda x: x[0], split)
+    zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype),
+                                   jax.eval_shape(fn, *first))
+    body = lambda acc, x: (jax.tree_util.tree_map(jnp.add, acc, fn(*x)), None)  # noqa: E731
+    return jax.lax.scan(body, zeros, split)[0]
+
+
 def accumulate_grads(lora, params, spec, batch: Batch, weights, opts: StepOptions):
     """Loss, gradient and token-weighted metrics summed over micro-batches."""
     grad_fn = jax.value_and_grad(_loss, has_aux=True)
@@ -109,17 +122,13 @@ def accumulate_grads(lora, params, spec, batch: Batch, weights, opts: StepOption
         return grad_fn(lora, params, spec, batch, weights, opts)
     per_token = lambda k: k not in ("tokens", "entropy_sum")  # noqa: E731
 
-    def body(acc, xs):
-        mb, w = xs
+    def weighted(mb, w):
         (loss, metrics), grads = grad_fn(lora, params, spec, mb, w, opts)
         metrics = {k: v * metrics["tokens"] if per_token(k) else v for k, v in metrics.items()}
-        return jax.tree_util.tree_map(jnp.add, acc, ((loss, metrics), grads)), None
+        return (loss, metrics), grads
 
-    xs = (_split(batch, opts.micro_batches), _split(weights, opts.micro_batches))
-    first = jax.tree_util.tree_map(lambda x: x[0], xs)
-    shapes = jax.eval_shape(lambda mb, w: grad_fn(lora, params, spec, mb, w, opts), *first)
-    zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-    (loss, metrics), grads = jax.lax.scan(body, zeros, xs)[0]
+    (loss, metrics), grads = sum_over_micro_batches(weighted, (batch, weights),
+                                                    opts.micro_batches)
     tokens = jnp.maximum(metrics["tokens"], 1.0)
     metrics = {k: v / tokens if per_token(k) else v for k, v in metrics.items()}
     return (loss, metrics), grads
@@ -127,6 +136,20 @@ def accumulate_grads(lora, params, spec, batch: Batch, weights, opts: StepOption
 
 def _all_finite(tree) -> jax.Array:
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(tree)]))
+
+
+def apply_gradients(state: TrainState, optimizer: optax.GradientTransformation, loss, grads):
+    """(new state, finite): the optimizer update of the adapter, or, when the loss or any
+    gradient is not finite, the state unchanged with the skip counted."""
+    finite = jnp.isfinite(loss) & _all_finite(grads)
+    safe_grads = jax.tree_util.tree_map(lambda g: jnp.where(finite, g, 0.0), grads)
+    updates, opt_state = optimizer.update(safe_grads, state.opt_state, state.lora)
+    lora = optax.apply_updates(state.lora, updates)
+    keep = lambda new, old: jax.tree_util.tree_map(  # noqa: E731
+        lambda n, o: jnp.where(finite, n, o), new, old)
+    return TrainState(lora=keep(lora, state.lora), opt_state=keep(opt_state, state.opt_state),
+                      step=state.step + finite.astype(jnp.int32),
+                      skipped=state.skipped + (~finite).astype(jnp.int32)), finite
 
 
 def train_step(state: TrainState, params, batch: Batch, *, spec: ModelSpec,
@@ -139,22 +162,23 @@ def train_step(state: TrainState, params, batch: Batch, *, spec: ModelSpec,
                          "divisor of prompts_per_step * num_generations")
     weights = token_weights(batch.completion_mask, opts.grpo.loss_agg, opts.max_new_tokens)
     (loss, metrics), grads = accumulate_grads(state.lora, params, spec, batch, weights, opts)
-    finite = jnp.isfinite(loss) & _all_finite(grads)
-    safe_grads = jax.tree_util.tree_map(lambda g: jnp.where(finite, g, 0.0), grads)
-    updates, opt_state = optimizer.update(safe_grads, state.opt_state, state.lora)
-    lora = optax.apply_updates(state.lora, updates)
-    keep = lambda new, old: jax.tree_util.tree_map(  # noqa: E731
-        lambda n, o: jnp.where(finite, n, o), new, old)
-    new_state = TrainState(lora=keep(lora, state.lora), opt_state=keep(opt_state, state.opt_state),
-                           step=state.step + finite.astype(jnp.int32),
-                           skipped=state.skipped + (~finite).astype(jnp.int32))
+    new_state, finite = apply_gradients(state, optimizer, loss, grads)
     entropy = metrics.pop("entropy_sum") / jnp.maximum(metrics.pop("tokens"), 1.0)
     return new_state, {"loss": loss, "grad_norm": optax.global_norm(grads), "entropy": entropy,
                        "skipped": (~finite).astype(jnp.int32), **metrics}
 
 
+def jit_step(step, shardings: tuple[Any, Any] | None = None):
+    """`step(state, params, batch)` jitted with the train state donated (its buffers are
+    reused for the new one). shardings: (in, out) from `jaxrl.sharding.step_shardings` to run
+    on a mesh; None lets jit follow its arguments (one device)."""
+    placed = {} if shardings is None else {"in_shardings": shardings[0],
+                                           "out_shardings": shardings[1]}
+    return jax.jit(step, donate_argnums=0, **placed)
+
+
 def compile_train_step(spec: ModelSpec, optimizer: optax.GradientTransformation,
-                       opts: StepOptions):
-    """The jitted step with the train state donated (its buffers are reused for the new one)."""
-    return jax.jit(lambda state, params, batch: train_step(
-        state, params, batch, spec=spec, optimizer=optimizer, opts=opts), donate_argnums=0)
+                       opts: StepOptions, shardings: tuple[Any, Any] | None = None):
+    """The jitted GRPO step (see `jit_step`)."""
+    return jit_step(lambda state, params, batch: train_step(
+        state, params, batch, spec=spec, optimizer=optimizer, opts=opts), shardings)

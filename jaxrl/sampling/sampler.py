@@ -51,6 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jaxrl import distributed
 from jaxrl.config import SamplingConfig
 from jaxrl.lora.lora import Lora
 from jaxrl.model.families import ModelSpec
@@ -61,6 +62,8 @@ from jaxrl.quant.nf4 import QTensor
 from jaxrl.sampling.buckets import bucket, left_pad
 from jaxrl.sampling.sampling_fns import Decoding, next_token
 from jaxrl.sampling.stop import cut_at_stop
+from jaxrl.sharding import (MeshRules, cache_shardings, constrain, lora_shardings,
+                            param_shardings, row_shardings)
 
 LAYER_LOOPS = ("auto", "scan", "unrolled")
 
@@ -131,31 +134,46 @@ def _min_rows(params: Params, layer_loop: str) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "spec", "decoding", "eos_ids", "max_new_bucket", "layer_loop"))
+    "spec", "decoding", "eos_ids", "max_new_bucket", "layer_loop", "shardings"))
 def generate(params: Params, prompt: jax.Array, prompt_mask: jax.Array, key: jax.Array,
              max_new_tokens: jax.Array, lora: Lora | None = None, *, spec: ModelSpec,
              decoding: Decoding, eos_ids: tuple[int, ...], max_new_bucket: int,
-             layer_loop: str) -> Generation:
+             layer_loop: str, shardings: MeshRules | None = None) -> Generation:
     """Prefill the left-padded prompt [B, P] (mask [B, P]), then decode up to max_new_tokens
     (a traced int32 <= max_new_bucket) new tokens per row; layer_loop "scan" or "unrolled".
     The KV cache is float32 on CPU (module docstring) and in the activations' dtype (the
-    embedding's) elsewhere, which is lossless: keys and values are computed in that dtype."""
+    embedding's) elsewhere, which is lossless: keys and values are computed in that dtype.
+    shardings: the mesh and rules that params, adapter, rows and cache are held in (None: one
+    device); the outputs come back split by rows."""
+    if shardings is not None:
+        params = constrain(params, param_shardings(shardings, params, spec))
+        if lora is not None:
+            lora = constrain(lora, lora_shardings(shardings, lora, spec))
+        prompt, prompt_mask = constrain((prompt, prompt_mask),
+                                        row_shardings(shardings, (prompt, prompt_mask)))
     rows = prompt.shape[0]
     extra = max(_min_rows(params, layer_loop) - rows, 0)
     prompt, prompt_mask = (jnp.pad(x, ((0, extra), (0, 0)), mode="edge")
                            for x in (prompt, prompt_mask))
     out = _generate(params, prompt, prompt_mask, key, max_new_tokens, lora, spec=spec,
                     decoding=decoding, eos_ids=eos_ids, max_new_bucket=max_new_bucket,
-                    layer_loop=layer_loop)
-    return jax.tree_util.tree_map(lambda a: a[:rows], out)
+                    layer_loop=layer_loop, shardings=shardings)
+    out = jax.tree_util.tree_map(lambda a: a[:rows], out)
+    return out if shardings is None else constrain(out, row_shardings(shardings, out))
+
+
+def _platform(shardings: MeshRules | None) -> str:
+    """The platform the program runs on: the mesh's (a TPU topology may be compiled for from a
+    CPU host, see `jaxrl plan`), else the default backend's."""
+    return jax.default_backend() if shardings is None else shardings.mesh.devices.flat[0].platform
 
 
 def _generate(params, prompt, prompt_mask, key, max_new_tokens, lora, *, spec, decoding,
-              eos_ids, max_new_bucket, layer_loop) -> Generation:
+              eos_ids, max_new_bucket, layer_loop, shardings) -> Generation:
     """`generate` for a batch the layer loop runs as it is."""
     b, p = prompt.shape
     n = max_new_bucket
-    on_cpu = jax.default_backend() == "cpu"
+    on_cpu = _platform(shardings) == "cpu"
     cache_dtype = jnp.float32 if on_cpu else params["embed_tokens"]["embedding"].dtype
     attn_mask = jnp.concatenate([prompt_mask, jnp.ones((b, n), bool)], axis=1)  # [B, S]
     make_cache, run_layers = init_cache, hidden_states
@@ -168,8 +186,11 @@ def _generate(params, prompt, prompt_mask, key, max_new_tokens, lora, *, spec, d
                               lora=lora)
         return lm_logits(params, h[:, -1], spec), cache
 
-    logits, cache = logits_after(prompt, positions_from_mask(prompt_mask),
-                                 make_cache(spec, b, p + n, cache_dtype))
+    positions = positions_from_mask(prompt_mask)
+    cache = make_cache(spec, b, p + n, cache_dtype)
+    if shardings is not None:
+        cache = constrain(cache, cache_shardings(shardings, cache))
+    logits, cache = logits_after(prompt, positions, cache)
     first_position = jnp.sum(prompt_mask, axis=1, dtype=jnp.int32)  # [B]
     eos = jnp.asarray(eos_ids, jnp.int32)
     pad_id = eos_ids[0] if eos_ids else 0
@@ -219,22 +240,28 @@ def _apply_stop(out: SampleOutput, stop: Sequence[str],
 def sample(params: Params, spec: ModelSpec, prompts: Sequence[Sequence[int]], key: jax.Array,
            cfg: SamplingConfig = SamplingConfig(), *, lora: Lora | None = None,
            eos_ids: Sequence[int] = (), detokenize: Callable[[Sequence[int]], str] | None = None,
-           layer_loop: str = "auto") -> SampleOutput:
+           layer_loop: str = "auto", shardings: MeshRules | None = None) -> SampleOutput:
     """Sample one completion per prompt (lists of token ids; repeat a prompt for a group).
 
     cfg supplies temperature, top_k, top_p, min_p, max_new_tokens and stop strings; eos_ids end a
     row (`jaxrl.hf.tokenizer.eos_token_ids` lists a model's); detokenize (ids -> text) is needed
     for stop strings and fills `texts`. The same key, prompts and settings give the same output.
+    shardings: sample on a mesh; with several processes `prompts` are this process's rows
+    (jaxrl/distributed.py) and so is the output.
     """
     if cfg.stop and detokenize is None:
         raise ValueError(f"stop strings {list(cfg.stop)} need a detokenize function (ids -> text)")
     width = bucket(max(len(ids) for ids in prompts) if prompts else 1)
+    if shardings is not None:
+        width = distributed.host_max(width)  # every process's rows share one global array
     tokens, mask = left_pad(prompts, width)
-    gen = generate(params, tokens, mask, key, jnp.int32(cfg.max_new_tokens), lora, spec=spec,
+    rows = (tokens, mask) if shardings is None else distributed.rows_to_global(shardings,
+                                                                               (tokens, mask))
+    gen = generate(params, *rows, key, jnp.int32(cfg.max_new_tokens), lora, spec=spec,
                    decoding=Decoding.from_config(cfg), eos_ids=tuple(int(i) for i in eos_ids),
                    max_new_bucket=bucket(cfg.max_new_tokens),
-                   layer_loop=choose_layer_loop(params, layer_loop))
-    gen = jax.device_get(gen)
+                   layer_loop=choose_layer_loop(params, layer_loop), shardings=shardings)
+    gen = jax.device_get(gen) if shardings is None else distributed.rows_to_local(gen)
     n = cfg.max_new_tokens
     out = SampleOutput(prompt_tokens=tokens, prompt_mask=mask, tokens=gen.tokens[:, :n],
                        mask=gen.mask[:, :n], logprobs=gen.logprobs[:, :n],

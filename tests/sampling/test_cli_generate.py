@@ -1,23 +1,10 @@
 """`jaxrl generate` on a tiny random llama that carries the default model's tokenizer (so the
 chat template and EOS ids are real), with and without a PEFT adapter."""
-import shutil
 
-import pytest
 import torch
 
 from jaxrl.cli import main
 from tests.tiny_models import make_model
-
-
-@pytest.fixture(scope="module")
-def tiny_chat_dir(default_model_dir, tmp_path_factory):
-    path = tmp_path_factory.mktemp("chat")
-    model = make_model("llama", vocab_size=49152)
-    model.save_pretrained(path)
-    for f in default_model_dir.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens", "generation_config")):
-            shutil.copy(f, path / f.name)
-    return path, model
 
 
 def _hf_greedy_text(model, model_dir, prompt, n):
@@ -33,8 +20,8 @@ def _hf_greedy_text(model, model_dir, prompt, n):
     return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
 
-def test_greedy_prints_what_transformers_generates(tiny_chat_dir, capsys):
-    path, model = tiny_chat_dir
+def test_greedy_prints_what_transformers_generates(tiny_chat, capsys):
+    path, model = tiny_chat
     assert main(["generate", "--model", str(path), "--prompt", "Hi there", "--max-new-tokens",
                  "12"]) == 0
     captured = capsys.readouterr()
@@ -43,10 +30,10 @@ def test_greedy_prints_what_transformers_generates(tiny_chat_dir, capsys):
     assert "1 completion(s)" in captured.err
 
 
-def test_n_completions_with_an_adapter(tiny_chat_dir, tmp_path, capsys):
+def test_n_completions_with_an_adapter(tiny_chat, tmp_path, capsys):
     from peft import LoraConfig, get_peft_model
 
-    path, model = tiny_chat_dir
+    path, model = tiny_chat
     get_peft_model(make_model("llama", vocab_size=49152),
                    LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
                               init_lora_weights=False)).save_pretrained(tmp_path / "adapter")
@@ -59,8 +46,8 @@ def test_n_completions_with_an_adapter(tiny_chat_dir, tmp_path, capsys):
     assert capsys.readouterr().out == out  # the same seed gives the same completions
 
 
-def test_bad_flags_and_adapter_exit_2_naming_them(tiny_chat_dir, tmp_path, capsys):
-    path, _ = tiny_chat_dir
+def test_bad_flags_and_adapter_exit_2_naming_them(tiny_chat, tmp_path, capsys):
+    path, _ = tiny_chat
     base = ["generate", "--model", str(path), "--prompt", "Hi"]
     assert main(base + ["--top-p", "0"]) == 2
     assert "--top-p must be > 0" in capsys.readouterr().err

@@ -1,0 +1,312 @@
+"""`jaxrl plan [--config FILE] [--topology NAME] [--device-memory GIB] [key=value ...]`: compile
+the sampler and the GRPO step for a configuration from abstract shapes (no weights are read or
+allocated) and report their per-device memory.
+
+The programs are the ones `jaxrl train` runs, lowered with the run's mesh, shardings, batch
+(data.prompts_per_step x grpo.num_generations rows), prompt and completion buckets, NF4 layout
+and LoRA targets. Figures come from XLA's `memory_analysis()` of each compiled program, per
+device: arguments, outputs, temporaries, and peak = arguments + outputs - aliased (donated)
+buffers + temporaries. What stays on the device between programs counts too: while the sampler
+runs, the optimizer state (not one of its arguments) is still resident, so the sampler needs
+its peak plus that. The run fits when the larger need is within the device's memory.
+
+`--topology v5e:4x4` compiles for a TPU slice without TPUs, through libtpu
+(`pip install -e '.[tpu]'`); without it the local devices are used.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+GIB = 1 << 30
+# HBM per chip a program may use, by the device_kind XLA reports: for v5e and v5p what XLA's TPU
+# compiler names as available when it refuses a program; the chip's nominal HBM for the others.
+DEVICE_MEMORY_GIB = {"TPU v4": 32, "TPU v5 lite": 15.75, "TPU v5": 95.74, "TPU v5p": 95.74,
+                     "TPU v6 lite": 32, "TPU v6e": 32}
+
+
+def register(sub) -> None:
+    plan = sub.add_parser(
+        "plan", help="compile the sampler and GRPO step for a config; report device memory",
+        description=__doc__.split("\n\n", 1)[1].replace("`", ""))
+    plan.add_argument("--config", metavar="FILE", help="YAML run config (default: the quickstart)")
+    plan.add_argument("--topology", metavar="NAME",
+                      help="TPU slice to compile for without TPUs, e.g. v5e:2x2, v5e:4x4, "
+                      "v5p:4x4x4 (needs libtpu); default: the local devices")
+    plan.add_argument("--device-memory", metavar="GIB", type=float,
+                      help="memory per device to fit in (default: what the device reports, or "
+                      "the chip's HBM for a topology)")
+    plan.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides")
+    plan.set_defaults(func=_plan)
+
+
+def architecture(path: str):
+    """The ModelSpec of model.path: its config.json when it is a local directory holding one,
+    else an embedded preset (jaxrl/model/presets) its last path part names."""
+    from jaxrl.commands import UsageError
+    from jaxrl.model.families import load_spec, spec_from_hf_config
+    from jaxrl.model.presets import PRESETS, preset_config
+
+    if path == "default":  # the embedded model, prepared on first use
+        from jaxrl.hf.default_model import resolve_model_path
+
+        path = str(resolve_model_path(path))
+    if path and (Path(path) / "config.json").is_file():
+        return load_spec(path)
+    config = preset_config(path) if path else None
+    if config is None:
+        raise UsageError(f"config key 'model.path' = {path!r} is neither a directory with a "
+                         f"config.json nor a known architecture; presets: {', '.join(PRESETS)}")
+    return spec_from_hf_config(config)
+
+
+def topology_devices(name: str) -> list:
+    """Compile-only devices of a TPU slice such as v5e:4x4."""
+    from jax.experimental import topologies
+
+    from jaxrl.commands import UsageError
+
+    # compiling touches no chip, so the lock libtpu takes against a second process is not needed
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    try:
+        dims = [int(d) for d in name.split(":", 1)[1].split("x")]
+    except (IndexError, ValueError):
+        raise UsageError(f"--topology {name!r} is not GENERATION:AxB[xC], e.g. v5e:4x4, "
+                         "v5p:4x4x4") from None
+    # a slice smaller than one host's chips (a single chip, say) has to say so
+    small = {"chips_per_host_bounds": (dims + [1, 1])[:3]} if math.prod(dims) < 4 else {}
+    try:
+        return list(topologies.get_topology_desc(topology_name=name, platform="tpu",
+                                                 **small).devices)
+    except RuntimeError as e:
+        if "not installed" in str(e):
+            raise RuntimeError("--topology needs libtpu: pip install -e '.[tpu]' (or point "
+                               "TPU_LIBRARY_PATH at a libtpu.so)") from e
+        raise UsageError(f"--topology {name!r} is not a TPU slice libtpu knows ({e}); "
+                         "examples: v5e:2x2, v5e:4x4, v5p:2x2x1, v5p:4x4x4") from e
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramMemory:
+    """Per-device bytes of one compiled program, plus what else is resident while it runs."""
+
+    name: str
+    argument: int
+    output: int
+    alias: int
+    temp: int
+    resident_other: int
+
+    @property
+    def peak(self) -> int:
+        return self.argument + self.output - self.alias + self.temp
+
+    @property
+    def need(self) -> int:
+        return self.peak + self.resident_other
+
+
+def per_device_bytes(tree, shardings) -> int:
+    """Bytes one device holds of an abstract tree laid out by `shardings` (the largest shard)."""
+    import jax
+
+    leaves = jax.tree_util.tree_leaves(tree)
+    specs = jax.tree_util.tree_leaves(shardings)
+    return sum(math.prod(s.shard_shape(a.shape)) * a.dtype.itemsize
+               for a, s in zip(leaves, specs))
+
+
+@dataclasses.dataclass(frozen=True)
+class AbstractRun:
+    """The run's device state as ShapeDtypeStructs, with its shardings."""
+
+    params: Any
+    lora: Any
+    state: Any
+    state_shardings: Any
+    optimizer: Any
+    rows: int
+
+
+def abstract_run(cfg, spec, rules) -> AbstractRun:
+    """Params as the run holds them on `rules`' platform (NF4 kernels packed, or dequantized
+    once on CPU), the adapter, and the train state: shapes, dtypes and shardings only."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxrl.lora.lora import init_lora
+    from jaxrl.model.params import abstract_params
+    from jaxrl.quant.qparams import abstract_quantized_params, dequantize_strategy
+    from jaxrl.rl.train_step import init_train_state, make_optimizer
+    from jaxrl.sharding import abstract, lora_shardings, param_shardings, state_shardings
+
+    dtype = jnp.dtype(cfg.model.dtype)
+    platform = rules.mesh.devices.flat[0].platform
+    once = dequantize_strategy(cfg.quant, platform) == "once"
+    params = (abstract_params(spec, dtype) if once
+              else abstract_quantized_params(spec, cfg.quant, dtype))
+    lora = jax.eval_shape(lambda key: init_lora(
+        spec, key, rank=cfg.lora.rank, alpha=cfg.lora.alpha, targets=cfg.lora.targets,
+        dropout=cfg.lora.dropout), jax.random.PRNGKey(0))
+    optimizer, _ = make_optimizer(cfg.optim, cfg.run.steps)
+    state = jax.eval_shape(lambda adapter: init_train_state(adapter, optimizer), lora)
+    shardings = state_shardings(rules, state, optimizer, spec)
+    return AbstractRun(params=abstract(params, param_shardings(rules, params, spec)),
+                       lora=abstract(lora, lora_shardings(rules, lora, spec)),
+                       state=abstract(state, shardings), state_shardings=shardings,
+                       optimizer=optimizer,
+                       rows=cfg.data.prompts_per_step * cfg.grpo.num_generations)
+
+
+def lower_sampler(cfg, spec, rules, run: AbstractRun):
+    """The sampler (`generate`) lowered for a rollout of the run's rows: prompts in the bucket
+    of data.max_prompt_tokens, completions in that of sampling.max_new_tokens."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxrl.sampling.buckets import bucket
+    from jaxrl.sampling.sampler import choose_layer_loop, generate
+    from jaxrl.sampling.sampling_fns import Decoding
+
+    shape = (run.rows, bucket(cfg.data.max_prompt_tokens))
+    sds = jax.ShapeDtypeStruct
+    platform = rules.mesh.devices.flat[0].platform
+    # off the local backend (a TPU topology) "auto" always takes the layer scan
+    loop = choose_layer_loop(run.params) if platform == jax.default_backend() else "scan"
+    return generate.lower(
+        run.params, sds(shape, jnp.int32, sharding=rules.rows(shape)),
+        sds(shape, jnp.bool_, sharding=rules.rows(shape)),
+        sds((2,), jnp.uint32, sharding=rules.replicated),
+        sds((), jnp.int32, sharding=rules.replicated), run.lora, spec=spec,
+        decoding=Decoding.from_config(cfg.sampling), eos_ids=spec.eos_token_ids or (0,),
+        max_new_bucket=bucket(cfg.sampling.max_new_tokens), layer_loop=loop, shardings=rules)
+
+
+def lower_step(cfg, spec, rules, run: AbstractRun):
+    """The GRPO train step lowered for a batch of the run's rows: the prompt bucket plus
+    sampling.max_new_tokens columns, micro-batched as optim.micro_batch_size says."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxrl.rl.session import step_options
+    from jaxrl.rl.train_step import Batch, compile_train_step
+    from jaxrl.sampling.buckets import bucket
+    from jaxrl.sharding import step_shardings
+
+    b, n = run.rows, cfg.sampling.max_new_tokens
+    s = bucket(cfg.data.max_prompt_tokens) + n
+    sds = jax.ShapeDtypeStruct
+    batch = Batch(tokens=sds((b, s), jnp.int32), positions=sds((b, s), jnp.int32),
+                  attn_mask=sds((b, s), jnp.bool_), completion_mask=sds((b, n), jnp.bool_),
+                  logp_old=sds((b, n), jnp.float32), advantages=sds((b,), jnp.float32),
+                  ref_logp=sds((b, n), jnp.float32) if cfg.grpo.beta > 0 else None)
+    shardings = step_shardings(rules, run.state, run.params, spec, run.optimizer, b)
+    step = compile_train_step(spec, run.optimizer, step_options(cfg), shardings)
+    return step.lower(run.state, run.params, batch)
+
+
+class OutOfMemory(RuntimeError):
+    """The compiler itself found that a program cannot fit the device (TPU compiles refuse)."""
+
+
+def _compile(name: str, lowered):
+    import jax
+
+    try:
+        return lowered.compile()
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        raise OutOfMemory(f"{name}: {str(e).split(':', 1)[-1].strip()}") from None
+
+
+def _memory(name: str, lowered, resident_other: int = 0) -> ProgramMemory:
+    m = _compile(name, lowered).memory_analysis()
+    return ProgramMemory(name, m.argument_size_in_bytes, m.output_size_in_bytes,
+                         m.alias_size_in_bytes, m.temp_size_in_bytes, resident_other)
+
+
+def plan_memory(cfg, spec, rules) -> list[ProgramMemory | OutOfMemory]:
+    """Compiles the sampler and the GRPO step of `cfg` on `rules`' mesh from abstract shapes;
+    a program the compiler refuses for lack of device memory is an `OutOfMemory` entry."""
+    run = abstract_run(cfg, spec, rules)
+    opt_bytes = per_device_bytes(run.state.opt_state, run.state_shardings.opt_state)
+    rows = []
+    for name, lower, resident in (("sampler", lower_sampler, opt_bytes),
+                                  ("grpo step", lower_step, 0)):
+        try:
+            rows.append(_memory(name, lower(cfg, spec, rules, run), resident))
+        except OutOfMemory as e:  # the other program's figures still tell where memory goes
+            rows.append(e)
+    return rows
+
+
+def device_memory(devices, override_gib: float | None) -> int | None:
+    """Bytes per device: the override, what the device reports, or the chip's known HBM."""
+    if override_gib is not None:
+        return int(override_gib * GIB)
+    import jax
+
+    try:
+        stats = devices[0].memory_stats()
+    except jax.errors.JaxRuntimeError:  # compile-only topology devices have no live statistics
+        stats = None
+    if stats and "bytes_limit" in stats:
+        return int(stats["bytes_limit"])
+    gib = DEVICE_MEMORY_GIB.get(devices[0].device_kind)
+    return None if gib is None else int(gib * GIB)
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.2f}"
+
+
+def report(entries: list[ProgramMemory | OutOfMemory],
+           capacity: int | None) -> tuple[str, bool]:
+    """The table `jaxrl plan` prints, and whether the run fits."""
+    lines = ["| program | argument | output | aliased | temporary | peak | + resident | need |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    rows = [e for e in entries if isinstance(e, ProgramMemory)]
+    failed = [f"DOES NOT FIT: the compiler ran out of device memory for the {e}"
+              for e in entries if isinstance(e, OutOfMemory)]
+    for r in rows:
+        lines.append(f"| {r.name} | {_gib(r.argument)} | {_gib(r.output)} | {_gib(r.alias)} | "
+                     f"{_gib(r.temp)} | {_gib(r.peak)} | {_gib(r.resident_other)} | "
+                     f"{_gib(r.need)} |")
+    need = max((r.need for r in rows), default=0)
+    fits = not failed and (capacity is None or need <= capacity)
+    cap = "unknown" if capacity is None else f"{_gib(capacity)} GiB"
+    lines.append(f"GiB per device; needs {_gib(need)} GiB of {cap}: "
+                 f"{'fits' if fits else 'DOES NOT FIT'}")
+    return "\n".join(lines + failed), fits
+
+
+def _plan(args) -> int:
+    import jax
+
+    from jaxrl.config import load_config
+    from jaxrl.sharding import MeshRules, make_mesh
+
+    from jaxrl.commands.train import QUICKSTART
+
+    cfg = load_config(args.config or QUICKSTART, args.overrides)
+    spec = architecture(cfg.model.path)
+    devices = topology_devices(args.topology) if args.topology else jax.devices()
+    rules = MeshRules(make_mesh(cfg.mesh, devices))
+    where = args.topology or jax.default_backend()
+    print(f"{cfg.model.path}: {spec.family}, {spec.num_layers} layers, {spec.hidden_size} "
+          f"hidden; {len(devices)} x {devices[0].device_kind} ({where}); mesh "
+          f"{dict(rules.mesh.shape)}; {cfg.data.prompts_per_step} x "
+          f"{cfg.grpo.num_generations} rows, {cfg.data.max_prompt_tokens} prompt + "
+          f"{cfg.sampling.max_new_tokens} new tokens; {cfg.quant.mode} + LoRA r{cfg.lora.rank}")
+    text, fits = report(plan_memory(cfg, spec, rules), device_memory(devices, args.device_memory))
+    print(text)
+    if not fits:
+        print("jaxrl plan: the run does not fit the device memory; shard further (mesh.fsdp), "
+              "shorten sampling.max_new_tokens or set optim.micro_batch_size", file=sys.stderr)
+    return 0 if fits else 1
+

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# One GRPO run over every GPU of this host, one process: bash launch/multi_gpu.sh CONFIG [k=v ...]
+# The mesh covers all visible GPUs (mesh.data=-1 fills what mesh.fsdp * mesh.tensor leave);
+# e.g. 8 GPUs with mesh.fsdp=8 shard the base and the adapter's optimizer state 8 ways.
+set -euo pipefail
+config=${1:?usage: launch/multi_gpu.sh CONFIG [key=value ...]}
+shift
+export XLA_PYTHON_CLIENT_PREALLOCATE=${XLA_PYTHON_CLIENT_PREALLOCATE:-false}
+exec jaxrl train --config "$config" "$@"

@@ -1,0 +1,51 @@
+"""A tiny Qwen3-style model whose every sharded dim divides 8 (8 query and 8 KV heads, vocab
+128), and the pieces of one GRPO step on it; shared by the mesh and the multi-process tests."""
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from jaxrl.config import GrpoConfig, OptimConfig, SamplingConfig
+from jaxrl.lora.lora import init_lora
+from jaxrl.model.families import spec_from_hf_config
+from jaxrl.model.params import init_params
+from jaxrl.rl.train_step import StepOptions, init_train_state, make_optimizer
+
+SPEC = spec_from_hf_config({
+    "model_type": "qwen3", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
+    "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 16,
+    "rms_norm_eps": 1e-6, "max_position_embeddings": 256, "eos_token_id": 2})
+ROWS, G, NEW = 8, 2, 8
+GREEDY = SamplingConfig(temperature=0.0, max_new_tokens=NEW)
+# No clipping, so Adam's first moment after one step is 0.1 * grad. Adam divides each gradient by
+# its own magnitude, so a float32 rounding difference in a near-zero gradient moves that weight
+# by up to lr: lr 1e-3 keeps such moves below the 1e-5 the results are compared at.
+OPTIM = OptimConfig(lr=1e-3, max_grad_norm=0.0)
+OPTS = StepOptions(grpo=GrpoConfig(num_generations=G, beta=0.04), temperature=1.0,
+                   max_new_tokens=NEW, micro_batches=2)
+
+
+def model():
+    """(params, lora) in float32; LoRA B is non-zero so the adapter changes every output."""
+    params = init_params(SPEC, jax.random.PRNGKey(0), std=0.2)
+    lora = init_lora(SPEC, jax.random.PRNGKey(1), rank=4, alpha=8)
+    lora = lora.replace(weights=jax.tree_util.tree_map(
+        lambda x: x + 0.05 if x.shape[1] == 4 else x, lora.weights))
+    return params, lora
+
+
+def prompts(rows: int = ROWS, seed: int = 0) -> list[list[int]]:
+    """`rows` prompts of 3 to 9 tokens, each repeated G times in a row (a group per prompt)."""
+    rng = np.random.RandomState(seed)
+    unique = [rng.randint(3, 128, rng.randint(3, 10)).tolist() for _ in range(rows // G)]
+    return [p for p in unique for _ in range(G)]
+
+
+def optimizer_state(lora):
+    optimizer, _ = make_optimizer(OPTIM, total_steps=10)
+    return optimizer, init_train_state(lora, optimizer)
+
+
+def rewards_of(tokens: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """A reward computed from a row's own tokens only (as a verifier would)."""
+    return ((tokens % 7) * mask).sum(axis=1).astype(np.float32) / NEW
