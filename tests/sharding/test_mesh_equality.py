@@ -3,7 +3,6 @@ samples and one GRPO step (loss, gradients, updated LoRA), float32, 1e-5."""
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
