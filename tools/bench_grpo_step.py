@@ -1,7 +1,7 @@
 """Seconds per GRPO step: jaxrl against TRL's GRPOTrainer (torch CPU), same model and setup,
 measured in one run with the systems interleaved step by step.
 
-Setup (the GRPO issue): SmolLM2-135M-Instruct, LoRA r 16 (alpha 32) on all seven projections,
+Setup: SmolLM2-135M-Instruct, LoRA r 16 (alpha 32) on all seven projections,
 4 prompts x G = 4 completions, exactly N new tokens (EOS ignored: jaxrl `eos_ids=()`, TRL
 `min_new_tokens=N`), temperature 1, beta 0.04 (a reference pass every step), mu = 1, no vLLM. The
 prompts are generated arithmetic records under a short system line (58 tokens; jaxrl pads them to
@@ -124,7 +124,7 @@ class JaxrlRunner:
 
 def trl_trainer(model_dir, tokenizer, prompts: list[str], new_tokens: int, steps: int,
                 precision: str, callback, out_dir: str):
-    """GRPOTrainer with the issue's setup; `.times` collects each step's phases."""
+    """GRPOTrainer with the setup above; `.times` collects each step's phases."""
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import TrainerCallback
