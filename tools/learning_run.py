@@ -34,6 +34,8 @@ def _args():
     parser.add_argument("--name", default="main", help="this run's directory name under --out")
     parser.add_argument("--skip-train", action="store_true",
                         help="evaluate and plot an existing run directory")
+    parser.add_argument("--skip-eval", action="store_true",
+                        help="with --skip-train: only redraw from metrics.jsonl and eval.json")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     return parser.parse_args()
 
@@ -60,11 +62,11 @@ def plot_accuracy(doc: dict, out: Path) -> Path:
     for i, name in enumerate(names):
         rows = [doc["variants"][name]["tasks"][t] for t in tasks]
         acc = [r["accuracy"] for r in rows]
-        err = [[a - r["accuracy_ci95_low"] for a, r in zip(acc, rows)],
-               [r["accuracy_ci95_high"] - a for a, r in zip(acc, rows)]]
+        err = [[max(a - r["accuracy_ci95_low"], 0.0) for a, r in zip(acc, rows)],
+               [max(r["accuracy_ci95_high"] - a, 0.0) for a, r in zip(acc, rows)]]
         xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(tasks))]
         ax.bar(xs, acc, width, yerr=err, capsize=3, label=name)
-    ax.set_xticks(range(len(tasks)), [f"{t}\n(n={doc['variants'][names[0]]['tasks'][t]['n']})"
+    ax.set_xticks(range(len(tasks)), [f"{t}\n(n={int(doc['variants'][names[0]]['tasks'][t]['n'])})"
                                       for t in tasks])
     ax.set_ylabel("held-out accuracy (T = 0)")
     ax.set_ylim(0, 1)
@@ -104,14 +106,15 @@ def summary(doc: dict, metrics: list[dict], seconds: dict[str, float]) -> str:
              "difference |", "| --- | ---: | ---: | ---: | ---: |"]
     scopes = [(t, base["tasks"][t], adapter["tasks"][t]) for t in sorted(base["tasks"])]
     for name, b, a in scopes + [("all", base["all"], adapter["all"])]:
-        lines.append(f"| {name} | {b['n']} | {_acc(b)} | {_acc(a)} | "
+        lines.append(f"| {name} | {int(b['n'])} | {_acc(b)} | {_acc(a)} | "
                      f"{a['accuracy'] - b['accuracy']:+.3f} |")
     first, last = metrics[0], metrics[-1]
     lines += ["", f"training: {len(metrics)} steps, mean reward {first['reward/mean']:.3f} at "
               f"step {first['step']} and {last['reward/mean']:.3f} at step {last['step']} "
               f"(mean of the last 10 steps "
               f"{sum(m['reward/mean'] for m in metrics[-10:]) / len(metrics[-10:]):.3f}); "
-              + ", ".join(f"{k} {v / 60:.1f} min" for k, v in seconds.items())]
+              + f"steps {sum(m['time/step'] for m in metrics) / 60:.1f} min in all"
+              + "".join(f", {k} {v / 60:.1f} min" for k, v in seconds.items())]
     return "\n".join(lines) + "\n"
 
 
@@ -122,8 +125,9 @@ def main() -> None:
     seconds = {}
     if not args.skip_train:
         seconds["train"] = _jaxrl("train", *common)
-    seconds["eval"] = _jaxrl("eval", "--adapter", str(run_dir / "adapter"), "--compare",
-                             "--out", str(run_dir / "eval.json"), *common)
+    if not args.skip_eval:
+        seconds["eval"] = _jaxrl("eval", "--adapter", str(run_dir / "adapter"), "--compare",
+                                 "--out", str(run_dir / "eval.json"), *common)
     doc = json.loads((run_dir / "eval.json").read_text())
     metrics = _read_metrics(run_dir)
     plot_accuracy(doc, run_dir / "accuracy.png")
