@@ -38,6 +38,7 @@ def _exit_code(error: BaseException) -> int | None:
     """The exit code for an error a verb raises for the user (None: a bug, re-raised)."""
     from jaxrl.checkpoint import CheckpointError
     from jaxrl.config import ConfigError
+    from jaxrl.data.generators.registry import GeneratorError
     from jaxrl.hf.default_model import DefaultModelError, ModelPathError
     from jaxrl.hf.keymap import KeyMapError
     from jaxrl.hf.safetensors_io import SafetensorsError
@@ -45,7 +46,8 @@ def _exit_code(error: BaseException) -> int | None:
     from jaxrl.lora.peft_io import AdapterError
     from jaxrl.model.families import ModelConfigError
 
-    usage = (ConfigError, UsageError, ModelPathError, TokenizerError, AdapterError)
+    usage = (ConfigError, UsageError, ModelPathError, TokenizerError, AdapterError,
+             GeneratorError)
     runtime = (ModelConfigError, KeyMapError, SafetensorsError, DefaultModelError,
                FileNotFoundError, CheckpointError)
     if isinstance(error, usage):

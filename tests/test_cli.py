@@ -53,3 +53,14 @@ def test_model_info_quant_prints_resident_bytes(tmp_path, capsys):
     assert "73,728 params in 7 kernels, 0.5625 bytes/param" in out
     assert main(["model", "info", str(tmp_path), "--quant", "nf4", "--block-size", "48"]) == 2
     assert "does not divide" in capsys.readouterr().err
+
+
+def test_more_generated_problems_than_exist_exits_2_naming_the_limit(tmp_path, capsys):
+    from jaxrl.cli import _exit_code
+    from jaxrl.data.generators.registry import GeneratorError
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["data", "--task", "arithmetic", "--n", "400", "--out", str(tmp_path / "x.jsonl")])
+    assert exit_info.value.code == 2
+    assert "ask for fewer than 400" in capsys.readouterr().err
+    assert _exit_code(GeneratorError("too many")) == 2  # the same from `jaxrl train`

@@ -1,7 +1,8 @@
 """RoPE and grouped-query attention.
 
 Glossary: B batch, T query tokens, S key slots, H query heads, K kv heads, G = H / K query heads
-per kv head, M = T * G query rows per kv head, D head dim.
+per kv head, M = T * G query rows per kv head, D head dim, C queries per block, N = ceil(T / C)
+query blocks.
 """
 from __future__ import annotations
 
@@ -13,6 +14,11 @@ from jaxrl.model.families import ModelSpec
 
 # Finite, so a row whose keys are all masked (a pad token) gives a uniform softmax, not NaN.
 _MASKED = -1e30
+# Calls with more queries than this (the GRPO step's full sequences) attend one block of queries
+# at a time, so one block's float32 scores [B, K, C*G, S] exist at once rather than all T rows'
+# (heads x 8,192 x 8,192 x 4 bytes per row at an 8,192-token context, several copies in the
+# backward pass). Decoding and prompt prefill up to this length take the single pass.
+QUERY_BLOCK = 1024
 
 
 def inv_frequencies(spec: ModelSpec) -> np.ndarray:
@@ -50,9 +56,34 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *,
-           keys_transposed: bool = False) -> jax.Array:
+           keys_transposed: bool = False, query_block: int = QUERY_BLOCK) -> jax.Array:
     """Softmax attention. q [B, T, H, D], k and v [B, K, S, D] (k [B, K, D, S] when
-    keys_transposed), mask [B, T, S] (True = may attend). Returns [B, T, H*D].
+    keys_transposed), mask [B, T, S] (True = may attend). Returns [B, T, H*D]. More than
+    query_block queries are attended in blocks of query_block (`_attend_blocks`)."""
+    if q.shape[1] <= query_block:
+        return _attend(q, k, v, mask, keys_transposed)
+    return _attend_blocks(q, k, v, mask, keys_transposed, query_block)
+
+
+def _attend_blocks(q, k, v, mask, keys_transposed: bool, c: int) -> jax.Array:
+    """`_attend` over blocks of C queries in `lax.map`, T padded up to N * C with fully masked
+    rows that are dropped again. Each block is rematerialized, so the backward pass keeps only
+    the blocks' inputs and recomputes one block's scores at a time instead of saving all N."""
+    b, t, h, d = q.shape
+    pad = -t % c
+    q = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    mask = jnp.pad(mask, ((0, 0), (0, pad), (0, 0)))
+    qs = q.reshape(b, -1, c, h, d).swapaxes(0, 1)  # [N, B, C, H, D]
+    masks = mask.reshape(b, -1, c, mask.shape[-1]).swapaxes(0, 1)  # [N, B, C, S]
+    block = jax.checkpoint(lambda qc, mc: _attend(qc, k, v, mc, keys_transposed),
+                           prevent_cse=False)
+    out = jax.lax.map(lambda xs: block(*xs), (qs, masks))  # [N, B, C, H*D]
+    return out.swapaxes(0, 1).reshape(b, -1, h * d)[:, :t]
+
+
+def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
+            keys_transposed: bool) -> jax.Array:
+    """`attend` in one pass over all T queries.
 
     The G query heads of a kv head and the T tokens form one matrix of M = T*G rows, so each
     (b, k) pair is a single [M, D] x [D, S] product; with T and G as separate dims XLA's CPU
