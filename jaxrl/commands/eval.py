@@ -46,27 +46,14 @@ def _check(args) -> None:
         raise UsageError(f"--batch-size must be >= 1; got {args.batch_size}")
 
 
-def _config(args):
-    from jaxrl.commands import UsageError
-    from jaxrl.commands.train import QUICKSTART
-    from jaxrl.config import load_config
-
-    path = args.config
-    if path is None:
-        if not QUICKSTART.is_file():
-            raise UsageError(f"no --config given and the quickstart config {QUICKSTART} is "
-                             "missing (install jaxrl from its repository with pip install -e .)")
-        path = QUICKSTART
-    return load_config(path, args.overrides)
-
-
 def _eval(args) -> int:
     from jaxrl.commands import UsageError
+    from jaxrl.commands.train import run_config
     from jaxrl.eval.run import progress_bar, read_outputs, run_model, score_variants, write
     from jaxrl.eval.table import format_table
 
     _check(args)
-    cfg = _config(args)
+    cfg = run_config(args)
     with progress_bar() as phase:
         if args.outputs:
             try:

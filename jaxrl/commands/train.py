@@ -20,7 +20,8 @@ def register(sub) -> None:
     train.set_defaults(func=_train)
 
 
-def _train(args) -> int:
+def run_config(args):
+    """The config of --config (configs/quickstart.yaml without one) plus the overrides."""
     from jaxrl.commands import UsageError
     from jaxrl.config import load_config
 
@@ -30,7 +31,11 @@ def _train(args) -> int:
             raise UsageError(f"no --config given and the quickstart config {QUICKSTART} is "
                              "missing (install jaxrl from its repository with pip install -e .)")
         path = QUICKSTART
-    cfg = load_config(path, args.overrides)
+    return load_config(path, args.overrides)
+
+
+def _train(args) -> int:
+    cfg = run_config(args)
     from jaxrl.rl.loop import train
 
     run_dir = train(cfg, log=lambda m: print(m, file=sys.stderr))
