@@ -5,3 +5,31 @@ sets `func` (taking the parsed args, returning an exit code). `jaxrl.cli.VERBS` 
 class UsageError(ValueError):
     """Bad command-line usage; `jaxrl` exits 2. (Defined here, not in jaxrl.cli, so that
     `python -m jaxrl.cli` and the installed command raise and catch the same class.)"""
+
+
+def read_input_objects(path: str, text_field: str | None = None) -> list[dict]:
+    """The JSON objects of the JSONL file given as --input (blank lines skipped), each with a
+    string `text_field` when one is named; an unreadable file or a bad line is a UsageError
+    naming it."""
+    import json
+    from pathlib import Path
+
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as error:
+        raise UsageError(f"--input {path!r} cannot be read: {error.strerror}") from None
+    objects = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line)
+        except ValueError as error:
+            raise UsageError(f"--input {path!r} line {number} is not JSON: {error}") from None
+        wanted = "" if text_field is None else f" with a string `{text_field}` field"
+        if not isinstance(value, dict) or (
+                text_field is not None and not isinstance(value.get(text_field), str)):
+            raise UsageError(f"--input {path!r} line {number} must be a JSON object{wanted}")
+        objects.append(value)
+    return objects
+

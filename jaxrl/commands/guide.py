@@ -54,11 +54,11 @@ def register(sub) -> None:
 
 def _questions(args) -> list[dict]:
     from jaxrl.commands import UsageError
-    from jaxrl.commands.rationale import read_objects
+    from jaxrl.commands import read_input_objects
 
     if args.question is not None:
         return [{"question": args.question}]
-    records = read_objects(args.input)
+    records = read_input_objects(args.input)
     for number, record in enumerate(records, 1):
         users = [m.get("content") for m in record.get("messages") or []
                  if isinstance(m, dict) and m.get("role") == "user"]

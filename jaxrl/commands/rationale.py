@@ -7,6 +7,7 @@ import sys
 import time
 from pathlib import Path
 
+from jaxrl.commands import read_input_objects
 from jaxrl.config import DTYPES, QUANT_MODES
 
 
@@ -80,28 +81,6 @@ def _filter_args(p) -> None:
     p.set_defaults(func=_filter)
 
 
-def read_objects(path: str) -> list[dict]:
-    """The JSON objects of a JSONL file; a bad line is a UsageError naming it."""
-    from jaxrl.commands import UsageError
-
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except OSError as error:
-        raise UsageError(f"--input {path!r} cannot be read: {error.strerror}") from None
-    objects = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            value = json.loads(line)
-        except ValueError as error:
-            raise UsageError(f"--input {path!r} line {number} is not JSON: {error}") from None
-        if not isinstance(value, dict):
-            raise UsageError(f"--input {path!r} line {number} must be a JSON object")
-        objects.append(value)
-    return objects
-
-
 def write_objects(path: str, objects) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
@@ -133,7 +112,7 @@ def _extract(args) -> int:
     settings = ExtractSettings(text_field=args.text_field, question_field=args.question_field,
                                source=args.source, max_chars=args.max_chars,
                                min_similarity=args.min_similarity)
-    records, counts = asyncio.run(extract(judge, read_objects(args.input), settings))
+    records, counts = asyncio.run(extract(judge, read_input_objects(args.input), settings))
     write_objects(args.out, records)
     print("jaxrl rationale extract: " + ", ".join(f"{k} {v}" for k, v in counts.items()),
           file=sys.stderr)
@@ -167,7 +146,7 @@ def _filter(args) -> int:
         tau=args.tau, tau_by_source=_taus(args.tau_for), source_field=args.source_field,
         template=args.template, max_following_tokens=args.max_following_tokens,
         score=ScoreOptions(decay=args.decay, tokens_per_batch=args.tokens_per_batch))
-    records = read_objects(args.input)
+    records = read_input_objects(args.input)
     model = load_pretrained(args.model, args.adapter, dtype=args.dtype, quant=args.quant)
     start = time.perf_counter()
     scored = filter_records(model, records, settings)
@@ -184,7 +163,7 @@ def _filter(args) -> int:
 def _sft_data(args) -> int:
     from jaxrl.rationale.prompts import rationale_chat
 
-    records = read_objects(args.input)
+    records = read_input_objects(args.input)
     _checked(all("kept" in r for r in records),
              f"--input {args.input!r} has lines without `kept`; run jaxrl rationale filter first")
     chats = [{"id": r.get("id"), "source": r.get("source"),

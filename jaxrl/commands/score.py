@@ -6,8 +6,8 @@ import contextlib
 import json
 import sys
 import time
-from pathlib import Path
 
+from jaxrl.commands import read_input_objects
 from jaxrl.rewards import REWARDS
 
 _BATCH = 256
@@ -32,35 +32,13 @@ def register(sub) -> None:
     score.set_defaults(func=_score)
 
 
-def _read(path: str) -> list[dict]:
-    from jaxrl.commands import UsageError
-
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except OSError as error:
-        raise UsageError(f"--input {path!r} cannot be read: {error.strerror}") from None
-    records = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except ValueError as error:
-            raise UsageError(f"--input {path!r} line {number} is not JSON: {error}") from None
-        if not isinstance(record, dict) or not isinstance(record.get("completion"), str):
-            raise UsageError(f"--input {path!r} line {number} must be a JSON object with a "
-                             "string `completion` field")
-        records.append(record)
-    return records
-
-
 def _score(args) -> int:
     from jaxrl.config import RewardEntry, load_config
     from jaxrl.rewards.base import sample_from_record
     from jaxrl.rewards.pool import RewardPool, pipelined
 
     cfg = load_config(args.config, args.overrides)
-    records = _read(args.input)
+    records = read_input_objects(args.input, "completion")
     batches = [records[i:i + _BATCH] for i in range(len(records))[::_BATCH]]
     total, failures, start = 0.0, collections.Counter(), time.monotonic()
     out_file = open(args.out, "w", encoding="utf-8") if args.out else contextlib.nullcontext(
