@@ -143,14 +143,19 @@ def _dequantized(params):
                                   params, is_leaf=lambda x: isinstance(x, QTensor))
 
 
+def _random_lora(spec):
+    """An adapter whose B is not zero, so it changes the outputs."""
+    lora = init_lora(spec, jax.random.PRNGKey(0), rank=4, alpha=8)
+    layers = {k: {"a": v["a"], "b": 0.3 * jax.random.normal(jax.random.PRNGKey(1), v["b"].shape)}
+              for k, v in lora.weights["layers"].items()}
+    return dataclasses.replace(lora, weights={"layers": layers})
+
+
 def test_nf4_with_lora_decodes_like_its_dequantized_weights(models, tmp_path):
     model, spec, _ = models["qwen3"]
     model.save_pretrained(tmp_path)
     _, nf4 = load_params(tmp_path, spec, quant=QuantConfig(mode="nf4", double_quant=True))
-    lora = init_lora(spec, jax.random.PRNGKey(0), rank=4, alpha=8)
-    layers = {k: {"a": v["a"], "b": 0.3 * jax.random.normal(jax.random.PRNGKey(1), v["b"].shape)}
-              for k, v in lora.weights["layers"].items()}
-    lora = dataclasses.replace(lora, weights={"layers": layers})
+    lora = _random_lora(spec)
     cfg = SamplingConfig(temperature=0.0, max_new_tokens=32)
     q = sample(nf4, spec, PROMPTS, jax.random.PRNGKey(0), cfg, lora=lora)  # auto: scan
     d = sample(_dequantized(nf4), spec, PROMPTS, jax.random.PRNGKey(0), cfg, lora=lora)
@@ -160,6 +165,18 @@ def test_nf4_with_lora_decodes_like_its_dequantized_weights(models, tmp_path):
     assert (base.tokens != d.tokens).any()  # the adapter matters
     want = _teacher_forced(_dequantized(nf4), spec, q, 1.0, lora)
     np.testing.assert_allclose(q.logprobs[q.mask], want[q.mask], atol=1e-5)
+
+
+def test_unrolled_loop_with_lora_equals_the_scan(models):
+    _, spec, params = models["qwen2-tied"]
+    lora = _random_lora(spec)
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=32)
+    outs = {loop: sample(params, spec, PROMPTS, jax.random.PRNGKey(0), cfg, lora=lora,
+                         layer_loop=loop) for loop in ("unrolled", "scan")}
+    np.testing.assert_array_equal(outs["unrolled"].tokens, outs["scan"].tokens)
+    np.testing.assert_allclose(outs["unrolled"].logprobs, outs["scan"].logprobs, atol=1e-5)
+    base = sample(params, spec, PROMPTS, jax.random.PRNGKey(0), cfg, layer_loop="unrolled")
+    assert (base.tokens != outs["unrolled"].tokens).any()  # the adapter matters
 
 
 def test_compiles_one_program_per_bucket(models):
