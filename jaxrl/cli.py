@@ -59,8 +59,8 @@ def _exit_code(error: BaseException) -> int | None:
 def enable_compilation_cache() -> str:
     """Keep compiled programs across runs: in $JAX_COMPILATION_CACHE_DIR when set (or when jax's
     config already names a directory), else in $JAXRL_CACHE/jax-compile (as the tests); returns
-    the directory. A second `jaxrl train` with the same shapes loads its programs instead of
-    compiling them."""
+    the directory. A later run with the same shapes loads the programs jax wrote there instead
+    of compiling them (jax skips some programs; docs/benchmarks.md "Quickstart")."""
     import jax
 
     from jaxrl.hf.default_model import cache_root
