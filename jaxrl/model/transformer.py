@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxrl.kernels import amx
 from jaxrl.lora.lora import Lora, lora_delta
 from jaxrl.model.attention import apply_rope, attend, rope_tables
 from jaxrl.model.families import ModelSpec
@@ -34,9 +35,13 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
 
 def linear(x: jax.Array, p: Params) -> jax.Array:
     """x [..., in] @ kernel [in, out] (+ bias), accumulated in float32; the kernel may be a
-    quantized QTensor."""
-    y = jnp.einsum("...i,io->...o", x, as_dense(p["kernel"], x.dtype),
-                   preferred_element_type=jnp.float32)
+    quantized QTensor or, in the sampler's CPU loop, a `jaxrl.kernels.amx.PackedKernel`."""
+    kernel = p["kernel"]
+    if isinstance(kernel, amx.PackedKernel):
+        y = amx.matmul(x, kernel)
+    else:
+        y = jnp.einsum("...i,io->...o", x, as_dense(kernel, x.dtype),
+                       preferred_element_type=jnp.float32)
     if "bias" in p:
         y = y + p["bias"]
     return y.astype(x.dtype)
@@ -190,7 +195,12 @@ def unrolled_hidden_states(params: Params, tokens: jax.Array, positions: jax.Arr
 
 
 def lm_logits(params: Params, h: jax.Array, spec: ModelSpec) -> jax.Array:
-    """Logits [..., V] in float32 from hidden states [..., E]."""
+    """Logits [..., V] in float32 from hidden states [..., E]. A packed head
+    (`jaxrl.kernels.amx.PackedKernel` in params["lm_head"], which the sampler's CPU loop puts
+    there for tied embeddings too) takes precedence."""
+    head = params.get("lm_head", {}).get("kernel")
+    if isinstance(head, amx.PackedKernel):
+        return amx.matmul(h, head)
     if spec.tie_word_embeddings:
         w = params["embed_tokens"]["embedding"]  # [V, E]
         return jnp.einsum("...e,ve->...v", h, w.astype(h.dtype), preferred_element_type=jnp.float32)
