@@ -1,5 +1,5 @@
-"""Sampler throughput: jaxrl (fp32 weights, and bf16 weights with XLA's dot and, where the CPU
-has AMX, with jaxrl's AMX matmul kernel) against transformers `generate` (torch, fp32) on the
+"""Sampler throughput: jaxrl (fp32 weights, and bf16 weights with XLA's ops and, where the CPU
+has AMX, with jaxrl's CPU kernels) against transformers `generate` (torch, fp32) on the
 same model, prompt and settings, in one run.
 
 Every configuration decodes a fixed number of new tokens with EOS ignored from one chat prompt
@@ -44,7 +44,7 @@ def _best_rate(fn, batch, new_tokens, repeats):
     return batch * new_tokens / best
 
 
-def _jaxrl_runner(params, spec, prompt_ids, batch, temperature, new_tokens, matmul="xla"):
+def _jaxrl_runner(params, spec, prompt_ids, batch, temperature, new_tokens, kernels="xla"):
     import jax
 
     from jaxrl.config import SamplingConfig
@@ -54,7 +54,7 @@ def _jaxrl_runner(params, spec, prompt_ids, batch, temperature, new_tokens, matm
 
     def run():
         out = sample(params, spec, [prompt_ids] * batch, jax.random.PRNGKey(0), cfg, eos_ids=(),
-                     matmul=matmul)
+                     kernels=kernels)
         assert out.mask.all(), "EOS is ignored, so every row decodes every token"
     return run
 
@@ -84,7 +84,7 @@ def main() -> None:
     from jaxrl.hf.default_model import resolve_model_path
     from jaxrl.hf.load import load_params
     from jaxrl.hf.tokenizer import chat_prompt_ids, load_tokenizer
-    from jaxrl.kernels import amx
+    from jaxrl.kernels import cpu as cpu_kernels
 
     model_dir = resolve_model_path(args.model)
     prompt_ids = chat_prompt_ids(load_tokenizer(model_dir), [{"role": "user", "content": PROMPT}])
@@ -94,7 +94,7 @@ def main() -> None:
     hf.generation_config.eos_token_id = None  # EOS ignored, as for jaxrl (eos_ids=())
     print(f"model {model_dir.name}, prompt {len(prompt_ids)} tokens, {args.new_tokens} new "
           f"tokens, torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f}")
-    kernels = ["xla"] + (["amx"] if amx.available() else [])
+    kernels = ["xla"] + (["cpu"] if cpu_kernels.available() else [])
     bf16 = "".join(f" jaxrl bf16 {k} | ratio |" for k in kernels)
     print(f"| batch | mode | transformers fp32 | jaxrl fp32 | ratio |{bf16} load |")
     print("| ---: | --- | ---: | ---: | ---: |" + " ---: | ---: |" * len(kernels) + " ---: |")

@@ -1,1 +1,1 @@
-"""Hand-written CPU kernels that XLA calls as FFI custom calls (jaxrl/kernels/amx.py)."""
+"""Hand-written CPU kernels that XLA calls as FFI custom calls (jaxrl/kernels/cpu.py)."""

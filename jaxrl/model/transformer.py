@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxrl.kernels import amx
+from jaxrl.kernels import cpu as cpu_kernels
 from jaxrl.lora.lora import Lora, lora_delta
 from jaxrl.model.attention import apply_rope, attend, rope_tables
 from jaxrl.model.families import ModelSpec
@@ -35,10 +35,10 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
 
 def linear(x: jax.Array, p: Params) -> jax.Array:
     """x [..., in] @ kernel [in, out] (+ bias), accumulated in float32; the kernel may be a
-    quantized QTensor or, in the sampler's CPU loop, a `jaxrl.kernels.amx.PackedKernel`."""
+    quantized QTensor or, in the sampler's CPU loop, a `jaxrl.kernels.cpu.PackedKernel`."""
     kernel = p["kernel"]
-    if isinstance(kernel, amx.PackedKernel):
-        y = amx.matmul(x, kernel)
+    if isinstance(kernel, cpu_kernels.PackedKernel):
+        y = cpu_kernels.matmul(x, kernel)
     else:
         y = jnp.einsum("...i,io->...o", x, as_dense(kernel, x.dtype),
                        preferred_element_type=jnp.float32)
@@ -141,14 +141,19 @@ def hidden_states(params: Params, tokens: jax.Array, positions: jax.Array, spec:
 
 
 def _transposed_key_attention(mask: jax.Array, cache_kt: jax.Array, cache_v: jax.Array,
-                              start: jax.Array):
+                              start: jax.Array, kernel: bool):
     """Attention over one `LayerKVCache` layer, this call's keys written at slot start; computed
-    in the cache dtype."""
+    in the cache dtype. kernel: one-token calls over a float32 cache attend with
+    `jaxrl.kernels.cpu.decode_attention` where it takes the shapes."""
     def attention(q, k, v):
         kt = k.transpose(0, 2, 3, 1).astype(cache_kt.dtype)  # [B, K, D, T]
         v = v.transpose(0, 2, 1, 3).astype(cache_v.dtype)  # [B, K, T, D]
         kt = jax.lax.dynamic_update_slice(cache_kt, kt, (0, 0, 0, start))
         v = jax.lax.dynamic_update_slice(cache_v, v, (0, 0, start, 0))
+        b, t, h, d = q.shape
+        if kernel and t == 1 and cpu_kernels.attention_supported(kt):
+            out = cpu_kernels.decode_attention(q[:, 0], kt, v, mask[:, 0], start + 1)
+            return out.reshape(b, 1, h * d).astype(q.dtype), (kt, v)
         out = attend(q.astype(kt.dtype), kt, v, mask, keys_transposed=True)
         return out.astype(q.dtype), (kt, v)
     return attention
@@ -162,10 +167,12 @@ def unstack_layers(tree: Params) -> tuple[Params, ...]:
 
 def unrolled_hidden_states(params: Params, tokens: jax.Array, positions: jax.Array,
                            spec: ModelSpec, *, attn_mask: jax.Array, cache: LayerKVCache,
-                           lora: Lora | None = None):
+                           lora: Lora | None = None, cpu_kernel_attention: bool = False):
     """`hidden_states` with a `LayerKVCache` and the layers unrolled in Python, for decoding
     (no dropout, no remat). params["layers"] and lora.weights["layers"] hold one tree per layer
-    (`unstack_layers`). Returns final-normed hidden states [B, T, E] and the cache.
+    (`unstack_layers`); their kernels may be `jaxrl.kernels.cpu.PackedKernel`s.
+    cpu_kernel_attention: one-token calls attend with `jaxrl.kernels.cpu.decode_attention`.
+    Returns final-normed hidden states [B, T, E] and the cache.
 
     Dense kernels only. Inside a decode loop each layer's weights are loop-invariant, and so
     would be the dequantization of an NF4 kernel: XLA hoists it out of the loop and holds every
@@ -186,7 +193,8 @@ def unrolled_hidden_states(params: Params, tokens: jax.Array, positions: jax.Arr
     kts, vs = [], []
     adapters = [None] * spec.num_layers if lora is None else lora.weights["layers"]
     for lp, ll, cache_kt, cache_v in zip(params["layers"], adapters, cache.kt, cache.v):
-        attention = _transposed_key_attention(mask, cache_kt, cache_v, start)
+        attention = _transposed_key_attention(mask, cache_kt, cache_v, start,
+                                              cpu_kernel_attention)
         h, (kt, v) = decoder_layer(h, lp, projector(lp, ll, lora, None), rope, spec, attention)
         kts.append(kt)
         vs.append(v)
@@ -196,11 +204,11 @@ def unrolled_hidden_states(params: Params, tokens: jax.Array, positions: jax.Arr
 
 def lm_logits(params: Params, h: jax.Array, spec: ModelSpec) -> jax.Array:
     """Logits [..., V] in float32 from hidden states [..., E]. A packed head
-    (`jaxrl.kernels.amx.PackedKernel` in params["lm_head"], which the sampler's CPU loop puts
+    (`jaxrl.kernels.cpu.PackedKernel` in params["lm_head"], which the sampler's CPU loop puts
     there for tied embeddings too) takes precedence."""
     head = params.get("lm_head", {}).get("kernel")
-    if isinstance(head, amx.PackedKernel):
-        return amx.matmul(h, head)
+    if isinstance(head, cpu_kernels.PackedKernel):
+        return cpu_kernels.matmul(h, head)
     if spec.tie_word_embeddings:
         w = params["embed_tokens"]["embedding"]  # [V, E]
         return jnp.einsum("...e,ve->...v", h, w.astype(h.dtype), preferred_element_type=jnp.float32)

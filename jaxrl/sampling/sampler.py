@@ -30,13 +30,15 @@ docs/benchmarks.md):
               Quantized kernels are refused: their dequantization would be hoisted the same way.
 Both loops run the same `decoder_layer`; both are tested against transformers' greedy generate.
 
-Matmuls (`matmul`): "xla" (XLA's dot) or "amx", which the unrolled loop uses for bf16 weights on
-one CPU device with AMX (jaxrl/kernels/amx.py; "auto" picks it wherever it is available): the
-layer kernels and the LM head are packed once per call, before the decode loop, into the
-kernel's layout (replacing the per-layer slices, so the temporary memory is the same one copy of
-the weights) and every decode matmul is a custom call that multiplies at memory speed where XLA's
-bf16 dot of a few rows does not (a decode step's matmuls at batch 1 / 8 / 32: ~18 / 20 / 31 ms
-against ~31 / 35 / 42 ms, docs/benchmarks.md). Both accumulate bf16 products in float32.
+Kernels (`kernels`): "xla" (XLA's ops only) or "cpu", jaxrl's CPU kernels
+(jaxrl/kernels/cpu.py), which the unrolled loop uses for bf16 weights on one CPU device with AMX
+("auto" picks them wherever they are available): the layer kernels and the LM head are packed
+once per call, before the decode loop, into the matmul kernel's layout (replacing the per-layer
+slices, so the temporary memory is the same one copy of the weights); every matmul is then a
+custom call that multiplies at memory speed where XLA's bf16 dot of a few rows does not (a
+decode step's matmuls at batch 1 / 8 / 32: ~18 / 20 / 31 ms against ~31 / 35 / 42 ms), and each
+decode step attends over the filled cache slots only. Both accumulate bf16 products in float32;
+both are tested to decode the same tokens (docs/benchmarks.md has the figures).
 On CPU the KV cache is float32: XLA:CPU computes bf16 elementwise ops in float32, so writing a
 step's keys into a bf16 cache converts the whole cache twice per layer, while a float32 cache is
 updated in place. With XLA's dot, bf16 weights pay off for two rows and more (every matmul
@@ -62,7 +64,7 @@ from flax import struct
 
 from jaxrl import distributed
 from jaxrl.config import SamplingConfig
-from jaxrl.kernels import amx
+from jaxrl.kernels import cpu as cpu_kernels
 from jaxrl.lora.lora import Lora
 from jaxrl.model.families import ModelSpec
 from jaxrl.model.kv_cache import init_cache, init_layer_cache
@@ -77,7 +79,7 @@ from jaxrl.sharding import (MeshRules, cache_shardings, constrain, lora_sharding
                             param_shardings, row_shardings)
 
 LAYER_LOOPS = ("auto", "scan", "unrolled")
-MATMULS = ("auto", "xla", "amx")
+KERNELS = ("auto", "xla", "cpu")
 
 
 @struct.dataclass
@@ -120,24 +122,24 @@ def _bf16(params: Params) -> bool:
     return params["embed_tokens"]["embedding"].dtype == jnp.bfloat16
 
 
-def choose_matmul(params: Params, layer_loop: str, matmul: str = "auto",
-                  shardings: MeshRules | None = None) -> str:
-    """"xla" or "amx" (module docstring) for the chosen layer loop; "auto" takes "amx" for bf16
-    weights in the unrolled loop on one device when `jaxrl.kernels.amx.available()`."""
-    if matmul not in MATMULS:
-        raise ValueError(f"matmul must be one of {MATMULS}; got {matmul!r}")
+def choose_kernels(params: Params, layer_loop: str, kernels: str = "auto",
+                   shardings: MeshRules | None = None) -> str:
+    """"xla" or "cpu" (module docstring) for the chosen layer loop; "auto" takes "cpu" for bf16
+    weights in the unrolled loop on one device when `jaxrl.kernels.cpu.available()`."""
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels must be one of {KERNELS}; got {kernels!r}")
     fits = layer_loop == "unrolled" and _bf16(params) and shardings is None
-    if matmul == "amx":
+    if kernels == "cpu":
         if not fits:
-            raise ValueError("matmul 'amx' needs bf16 weights, the 'unrolled' layer loop and one "
+            raise ValueError("kernels 'cpu' need bf16 weights, the 'unrolled' layer loop and one "
                              "device")
-        if not amx.available():
-            raise ValueError("matmul 'amx' is unavailable on this machine (the log says why; "
-                             "see jaxrl/kernels/amx.py)")
-        return "amx"
-    if matmul == "xla":
+        if not cpu_kernels.available():
+            raise ValueError("kernels 'cpu' are unavailable on this machine (the log says why; "
+                             "see jaxrl/kernels/cpu.py)")
+        return "cpu"
+    if kernels == "xla":
         return "xla"
-    return "amx" if fits and amx.available() else "xla"
+    return "cpu" if fits and cpu_kernels.available() else "xla"
 
 
 def _record(c: _Carry, token: jax.Array, logprob: jax.Array, eos: jax.Array, pad_id: int):
@@ -155,17 +157,17 @@ def _packed(params: Params) -> Params:
     """params with every layer's linear kernels and the LM head (the embedding, transposed, when
     tied) in the AMX kernel's layout."""
     def pack_layer(lp):
-        return {name: ({**sub, "kernel": amx.pack_kernel(sub["kernel"])}
+        return {name: ({**sub, "kernel": cpu_kernels.pack_kernel(sub["kernel"])}
                        if name in LINEAR_NAMES else sub) for name, sub in lp.items()}
     head = (params["embed_tokens"]["embedding"].T if "lm_head" not in params
             else params["lm_head"]["kernel"])
     return {**params, "layers": tuple(pack_layer(lp) for lp in params["layers"]),
-            "lm_head": {"kernel": amx.pack_kernel(head)}}
+            "lm_head": {"kernel": cpu_kernels.pack_kernel(head)}}
 
 
 def _unstacked(params: Params, lora: Lora | None, pack: bool):
     """params and lora with their layer stacks split into per-layer trees (and with pack, the
-    kernels packed for the AMX matmul), materialized before the decode loop: the optimization
+    kernels packed for the CPU matmul kernel), materialized before the decode loop: the optimization
     barrier keeps XLA from sinking the slices into the loop body, where they would copy every
     layer's weights out of the stacks on every step."""
     params = {**params, "layers": unstack_layers(params["layers"])}
@@ -178,23 +180,23 @@ def _unstacked(params: Params, lora: Lora | None, pack: bool):
     return params, (None if lora is None else lora.replace(weights={"layers": adapters}))
 
 
-def _min_rows(params: Params, layer_loop: str, matmul: str) -> int:
+def _min_rows(params: Params, layer_loop: str, kernels: str) -> int:
     """XLA:CPU multiplies one bf16 row by a kernel 5-8x slower than two rows (60 [576, 1536]
     kernels: 139 ms against 26 ms), so the unrolled loop decodes a single bf16 row as two unless
-    the AMX kernel does the matmuls."""
-    return 2 if layer_loop == "unrolled" and _bf16(params) and matmul == "xla" else 1
+    jaxrl's CPU kernels do the matmuls."""
+    return 2 if layer_loop == "unrolled" and _bf16(params) and kernels == "xla" else 1
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "spec", "decoding", "eos_ids", "max_new_bucket", "layer_loop", "shardings", "matmul"))
+    "spec", "decoding", "eos_ids", "max_new_bucket", "layer_loop", "shardings", "kernels"))
 def generate(params: Params, prompt: jax.Array, prompt_mask: jax.Array, key: jax.Array,
              max_new_tokens: jax.Array, lora: Lora | None = None, *, spec: ModelSpec,
              decoding: Decoding, eos_ids: tuple[int, ...], max_new_bucket: int,
              layer_loop: str, shardings: MeshRules | None = None,
-             matmul: str = "xla") -> Generation:
+             kernels: str = "xla") -> Generation:
     """Prefill the left-padded prompt [B, P] (mask [B, P]), then decode up to max_new_tokens
     (a traced int32 <= max_new_bucket) new tokens per row; layer_loop "scan" or "unrolled",
-    matmul "xla" or "amx" (`choose_layer_loop`, `choose_matmul`).
+    kernels "xla" or "cpu" (`choose_layer_loop`, `choose_kernels`).
     The KV cache is float32 on CPU (module docstring) and in the activations' dtype (the
     embedding's) elsewhere, which is lossless: keys and values are computed in that dtype.
     shardings: the mesh and rules that params, adapter, rows and cache are held in (None: one
@@ -206,12 +208,12 @@ def generate(params: Params, prompt: jax.Array, prompt_mask: jax.Array, key: jax
         prompt, prompt_mask = constrain((prompt, prompt_mask),
                                         row_shardings(shardings, (prompt, prompt_mask)))
     rows = prompt.shape[0]
-    extra = max(_min_rows(params, layer_loop, matmul) - rows, 0)
+    extra = max(_min_rows(params, layer_loop, kernels) - rows, 0)
     prompt, prompt_mask = (jnp.pad(x, ((0, extra), (0, 0)), mode="edge")
                            for x in (prompt, prompt_mask))
     out = _generate(params, prompt, prompt_mask, key, max_new_tokens, lora, spec=spec,
                     decoding=decoding, eos_ids=eos_ids, max_new_bucket=max_new_bucket,
-                    layer_loop=layer_loop, shardings=shardings, matmul=matmul)
+                    layer_loop=layer_loop, shardings=shardings, kernels=kernels)
     out = jax.tree_util.tree_map(lambda a: a[:rows], out)
     return out if shardings is None else constrain(out, row_shardings(shardings, out))
 
@@ -223,7 +225,7 @@ def _platform(shardings: MeshRules | None) -> str:
 
 
 def _generate(params, prompt, prompt_mask, key, max_new_tokens, lora, *, spec, decoding,
-              eos_ids, max_new_bucket, layer_loop, shardings, matmul) -> Generation:
+              eos_ids, max_new_bucket, layer_loop, shardings, kernels) -> Generation:
     """`generate` for a batch the layer loop runs as it is."""
     b, p = prompt.shape
     n = max_new_bucket
@@ -232,8 +234,10 @@ def _generate(params, prompt, prompt_mask, key, max_new_tokens, lora, *, spec, d
     attn_mask = jnp.concatenate([prompt_mask, jnp.ones((b, n), bool)], axis=1)  # [B, S]
     make_cache, run_layers = init_cache, hidden_states
     if layer_loop == "unrolled":
-        make_cache, run_layers = init_layer_cache, unrolled_hidden_states
-        params, lora = _unstacked(params, lora, pack=matmul == "amx")
+        make_cache = init_layer_cache
+        run_layers = functools.partial(unrolled_hidden_states,
+                                       cpu_kernel_attention=kernels == "cpu")
+        params, lora = _unstacked(params, lora, pack=kernels == "cpu")
 
     def logits_after(tokens, positions, cache):  # [B, V] at each row's last input token
         h, cache = run_layers(params, tokens, positions, spec, attn_mask=attn_mask, cache=cache,
@@ -295,14 +299,14 @@ def sample(params: Params, spec: ModelSpec, prompts: Sequence[Sequence[int]], ke
            cfg: SamplingConfig = SamplingConfig(), *, lora: Lora | None = None,
            eos_ids: Sequence[int] = (), detokenize: Callable[[Sequence[int]], str] | None = None,
            layer_loop: str = "auto", shardings: MeshRules | None = None,
-           matmul: str = "auto") -> SampleOutput:
+           kernels: str = "auto") -> SampleOutput:
     """Sample one completion per prompt (lists of token ids; repeat a prompt for a group).
 
     cfg supplies temperature, top_k, top_p, min_p, max_new_tokens and stop strings; eos_ids end a
     row (`jaxrl.hf.tokenizer.eos_token_ids` lists a model's); detokenize (ids -> text) is needed
     for stop strings and fills `texts`. The same key, prompts and settings give the same output.
     shardings: sample on a mesh; with several processes `prompts` are this process's rows
-    (jaxrl/distributed.py) and so is the output. layer_loop and matmul: module docstring.
+    (jaxrl/distributed.py) and so is the output. layer_loop and kernels: module docstring.
     """
     if cfg.stop and detokenize is None:
         raise ValueError(f"stop strings {list(cfg.stop)} need a detokenize function (ids -> text)")
@@ -316,7 +320,7 @@ def sample(params: Params, spec: ModelSpec, prompts: Sequence[Sequence[int]], ke
     gen = generate(params, *rows, key, jnp.int32(cfg.max_new_tokens), lora, spec=spec,
                    decoding=Decoding.from_config(cfg), eos_ids=tuple(int(i) for i in eos_ids),
                    max_new_bucket=bucket(cfg.max_new_tokens), layer_loop=loop,
-                   shardings=shardings, matmul=choose_matmul(params, loop, matmul, shardings))
+                   shardings=shardings, kernels=choose_kernels(params, loop, kernels, shardings))
     gen = jax.device_get(gen) if shardings is None else distributed.rows_to_local(gen)
     n = cfg.max_new_tokens
     out = SampleOutput(prompt_tokens=tokens, prompt_mask=mask, tokens=gen.tokens[:, :n],

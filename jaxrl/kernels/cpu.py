@@ -1,19 +1,22 @@
-"""bf16 matmuls on Intel AMX tiles for the CPU decode loop (kernel: bf16_matmul.cc).
+"""CPU kernels for the sampler's decode loop, called from XLA as FFI custom calls (source:
+cpu_kernels.cc). The sampler uses them for bf16 weights in its unrolled CPU loop
+(`jaxrl.sampling.sampler`, kernels="cpu"); measurements in docs/benchmarks.md.
 
-XLA:CPU multiplies a few rows of bf16 activations by a bf16 kernel far below memory speed: one
-decode step of the default model's matmuls takes ~31 ms at batch 1 and ~35 ms at batch 8,
-against ~18 and ~20 ms for this kernel (`python tools/bench_decode_floor.py`, which times both;
-figures in docs/benchmarks.md). The sampler uses it for bf16 weights in its unrolled CPU loop.
+`matmul`: x (bf16) @ a kernel packed by `pack_kernel`, on Intel AMX tiles, products accumulated
+in float32 as `jaxrl.model.transformer.linear` asks of XLA (only the summation order differs).
+XLA:CPU multiplies a few bf16 rows by a bf16 kernel far below memory speed: a decode step of the
+default model's matmuls takes ~31 / 35 / 42 ms at batch 1 / 8 / 32, against ~18 / 20 / 31 ms
+here (`python tools/bench_decode_floor.py` times both). Kernels are packed once per `generate`
+call, before the decode loop.
 
-The kernel reads weights in a packed layout (`pack_kernel`, done once per `generate` call before
-the decode loop) and accumulates bf16 products in float32, as `jaxrl.model.transformer.linear`
-asks of XLA; only the summation order differs.
+`decode_attention`: one query token per row over the float32 cache (keys stored [B, K, D, S]),
+reading only the slots filled so far, where XLA's batched dots read every slot of the cache.
 
 The C++ source is compiled on first use with the system's C++ compiler against jaxlib's FFI
 headers, into $JAXRL_CACHE/kernels (one build per source, jaxlib version and CPU), then loaded
-and registered with XLA. `available()` is False, and callers keep XLA's dot, where the CPU lacks
+and registered with XLA. `available()` is False, and callers keep XLA's ops, where the CPU lacks
 AMX-BF16, Linux refuses the tile state, no compiler is found, the build fails, or
-JAXRL_AMX=0 is set; the reason is logged once.
+JAXRL_CPU_KERNELS=0 is set; the reason is logged once.
 """
 from __future__ import annotations
 
@@ -34,8 +37,10 @@ from flax import struct
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("bf16_matmul.cc")
-TARGET = "jaxrl_bf16_matmul"
+SOURCE = Path(__file__).with_name("cpu_kernels.cc")
+TARGETS = {"jaxrl_bf16_matmul": "JaxrlBf16Matmul",
+           "jaxrl_decode_attention": "JaxrlDecodeAttention"}
+ATTENTION_HEAD_DIMS = (64, 128)  # head dims decode_attention takes
 PANEL = 64  # output columns per packed panel
 K_MULTIPLE = 32  # the kernel consumes K in steps of 32
 
@@ -63,7 +68,24 @@ def matmul(x: jax.Array, w: PackedKernel) -> jax.Array:
     if x.shape[-1] != k:  # K was padded to a multiple of 32
         x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, k - x.shape[-1])])
     out = jax.ShapeDtypeStruct(x.shape[:-1] + (w.n,), jnp.float32)
-    return jax.ffi.ffi_call(TARGET, out)(x, w.packed)
+    return jax.ffi.ffi_call("jaxrl_bf16_matmul", out)(x, w.packed)
+
+
+def attention_supported(kt: jax.Array) -> bool:
+    """Whether `decode_attention` takes a cache layer with keys kt [B, K, D, S]."""
+    return (kt.dtype == jnp.float32 and kt.shape[2] in ATTENTION_HEAD_DIMS
+            and kt.shape[3] % 16 == 0)
+
+
+def decode_attention(q: jax.Array, kt: jax.Array, v: jax.Array, mask: jax.Array,
+                     limit: jax.Array) -> jax.Array:
+    """Attention of one new token per row: q [B, H, D], the cache layer's keys kt [B, K, D, S]
+    and values v [B, K, S, D] (float32), mask [B, S] (True = may attend), limit [] int32 (slots
+    >= limit are empty and skipped). Returns [B, H, D] float32. D in ATTENTION_HEAD_DIMS, S a
+    multiple of 16; each row must be allowed at least one slot below limit."""
+    out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+    return jax.ffi.ffi_call("jaxrl_decode_attention", out)(
+        q.astype(jnp.float32), kt, v, mask, limit.astype(jnp.int32))
 
 
 def _build_dir() -> Path:
@@ -76,7 +98,7 @@ def _library_path(compiler: str) -> Path:
     digest = hashlib.sha256(SOURCE.read_bytes())
     for part in (jaxlib.__version__, compiler, _cpu_flags()):  # -march=native: per CPU
         digest.update(part.encode())
-    return _build_dir() / f"bf16_matmul-{digest.hexdigest()[:16]}.so"
+    return _build_dir() / f"cpu_kernels-{digest.hexdigest()[:16]}.so"
 
 
 def _cpu_flags() -> str:
@@ -103,16 +125,16 @@ def _compile(compiler: str, out: Path) -> None:
 
 @functools.lru_cache(maxsize=None)
 def available() -> bool:
-    """True when the AMX kernel is built, loaded and registered for this process (see module)."""
+    """True when the kernels are built, loaded and registered for this process (see module)."""
     reason = _unavailable_reason()
     if reason:
-        log.info("AMX bf16 matmul kernel not used: %s", reason)
+        log.info("jaxrl's CPU kernels not used: %s", reason)
     return not reason
 
 
 def _unavailable_reason() -> str:
-    if os.environ.get("JAXRL_AMX", "1") == "0":
-        return "JAXRL_AMX=0"
+    if os.environ.get("JAXRL_CPU_KERNELS", "1") == "0":
+        return "JAXRL_CPU_KERNELS=0"
     if not hasattr(jax, "ffi") or not hasattr(jax.ffi, "include_dir"):
         return "this jax has no jax.ffi (0.4.38 or later has)"
     if platform.machine() not in ("x86_64", "AMD64"):
@@ -132,5 +154,7 @@ def _unavailable_reason() -> str:
         return f"could not build or load the kernel: {err}"
     if lib.jaxrl_amx_ready() != 1:
         return "Linux did not grant this process the AMX tile state"
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxrlBf16Matmul), platform="cpu")
+    for target, symbol in TARGETS.items():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
+                                    platform="cpu")
     return ""

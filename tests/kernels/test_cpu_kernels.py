@@ -1,6 +1,7 @@
-"""The AMX bf16 matmul kernel: its packed layout worked by hand, its products against a float64
-reference over awkward shapes, inside a decode-style loop, and the sampler with it against the
-sampler with XLA's dot. Skipped where the kernel is unavailable (no AMX, no compiler)."""
+"""jaxrl's CPU kernels: the matmul's packed layout worked by hand, its products against a float64
+reference over awkward shapes and inside a decode-style loop, decode attention against
+`jaxrl.model.attention.attend`, and the sampler with the kernels against the sampler with XLA's
+ops. Skipped where the kernels are unavailable (no AMX, no compiler)."""
 import tempfile
 
 import jax
@@ -10,12 +11,14 @@ import pytest
 
 from jaxrl.config import SamplingConfig
 from jaxrl.hf.load import load_params
-from jaxrl.kernels import amx
-from jaxrl.sampling import choose_matmul, sample
+from jaxrl.kernels import cpu as cpu_kernels
+from jaxrl.model.attention import attend
+from jaxrl.sampling import choose_kernels, sample
 from tests.sampling.test_sampler import PROMPTS, _random_lora
 from tests.tiny_models import make_model
 
-needs_amx = pytest.mark.skipif(not amx.available(), reason="AMX kernel unavailable here")
+needs_kernels = pytest.mark.skipif(not cpu_kernels.available(),
+                                   reason="jaxrl's CPU kernels are unavailable here")
 
 
 def _bf16(key, shape, scale=1.0):
@@ -26,7 +29,7 @@ def test_pack_kernel_layout_by_hand():
     """W [3, 2] = [[1, 2], [3, 4], [5, 6]]: K pads to 32, N to 64; packed[p, k2, c] holds the
     pair (W[2*k2, 64p + c], W[2*k2 + 1, 64p + c])."""
     w = jnp.asarray([[1, 2], [3, 4], [5, 6]], jnp.bfloat16)
-    packed = amx.pack_kernel(w)
+    packed = cpu_kernels.pack_kernel(w)
     assert packed.n == 2 and packed.packed.shape == (1, 16, 64, 2)
     got = np.asarray(packed.packed, np.float32)
     np.testing.assert_array_equal(got[0, 0, 0], [1, 3])
@@ -36,12 +39,12 @@ def test_pack_kernel_layout_by_hand():
     assert not got[0, 2:].any() and not got[0, :, 2:].any()
 
 
-@needs_amx
+@needs_kernels
 @pytest.mark.parametrize("m,k,n", [(1, 32, 1), (1, 576, 576), (3, 100, 70), (16, 64, 64),
                                    (17, 576, 200), (40, 1536, 130), (32, 576, 4100)])
 def test_matmul_equals_a_float64_reference(m, k, n):
     x, w = _bf16(0, (m, k)), _bf16(1, (k, n), 0.05)
-    got = jax.jit(lambda x, w: amx.matmul(x, amx.pack_kernel(w)))(x, w)
+    got = jax.jit(lambda x, w: cpu_kernels.matmul(x, cpu_kernels.pack_kernel(w)))(x, w)
     assert got.shape == (m, n) and got.dtype == jnp.float32
     want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
     # bf16 products are exact in float32; only the float32 summation order differs
@@ -49,15 +52,15 @@ def test_matmul_equals_a_float64_reference(m, k, n):
     assert np.all(np.abs(np.asarray(got, np.float64) - want) <= bound + 1e-30)
 
 
-@needs_amx
+@needs_kernels
 def test_leading_dims_and_a_loop_invariant_packed_kernel():
     """x [B, T, K] keeps its leading dims; packed once outside a fori_loop, as the sampler does."""
     x, w = _bf16(2, (2, 3, 96)), _bf16(3, (96, 96), 0.1)
 
     @jax.jit
     def run(x, w):
-        packed = amx.pack_kernel(w)
-        return jax.lax.fori_loop(0, 4, lambda _, h: amx.matmul(h, packed).astype(h.dtype), x)
+        packed = cpu_kernels.pack_kernel(w)
+        return jax.lax.fori_loop(0, 4, lambda _, h: cpu_kernels.matmul(h, packed).astype(h.dtype), x)
 
     def ref(x, w):
         for _ in range(4):
@@ -68,6 +71,25 @@ def test_leading_dims_and_a_loop_invariant_packed_kernel():
     assert got.shape == (2, 3, 96)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
                                rtol=2e-2, atol=1e-2)  # bf16 rounding between the 4 products
+
+
+@needs_kernels
+@pytest.mark.parametrize("b,h,kv,d,s,limit", [(1, 9, 3, 64, 192, 60), (5, 8, 2, 128, 64, 64),
+                                              (3, 4, 4, 64, 32, 17), (2, 6, 3, 64, 16, 1)])
+def test_decode_attention_equals_attend(b, h, kv, d, s, limit):
+    """Rows left-padded by different amounts; slots from limit on hold garbage, which the
+    kernel must skip exactly as the mask does in `attend`."""
+    ks = jax.random.split(jax.random.PRNGKey(4), 3)
+    q = jax.random.normal(ks[0], (b, 1, h, d))
+    kt = 3 * jax.random.normal(ks[1], (b, kv, d, s))
+    v = jax.random.normal(ks[2], (b, kv, s, d))
+    pads = np.arange(b) * 3 % max(limit, 1)
+    slots = np.arange(s)[None, :]
+    mask = jnp.asarray((slots >= pads[:, None]) & (slots < limit))
+    mask = mask.at[:, limit - 1].set(True)  # every row sees its own token
+    got = jax.jit(cpu_kernels.decode_attention)(q[:, 0], kt, v, mask, jnp.int32(limit))
+    want = attend(q, kt, v, mask[:, None, :], keys_transposed=True)
+    np.testing.assert_allclose(np.asarray(got).reshape(b, 1, h * d), want, rtol=2e-5, atol=2e-6)
 
 
 @pytest.fixture(scope="module")
@@ -81,40 +103,40 @@ def bf16_models():
     return out
 
 
-@needs_amx
+@needs_kernels
 @pytest.mark.parametrize("case", ["qwen2-tied", "llama"])
 @pytest.mark.parametrize("with_lora", [False, True])
-def test_sampler_with_amx_equals_the_sampler_with_xlas_dot(bf16_models, case, with_lora):
+def test_sampler_with_cpu_kernels_equals_the_sampler_with_xla(bf16_models, case, with_lora):
     spec, params = bf16_models[case]
     lora = _random_lora(spec) if with_lora else None
     cfg = SamplingConfig(temperature=0.0, max_new_tokens=32)
     outs = {m: sample(params, spec, PROMPTS, jax.random.PRNGKey(0), cfg, lora=lora,
-                      layer_loop="unrolled", matmul=m) for m in ("xla", "amx")}
-    np.testing.assert_array_equal(outs["amx"].tokens, outs["xla"].tokens)
-    np.testing.assert_allclose(outs["amx"].logprobs, outs["xla"].logprobs, atol=1e-4)
+                      layer_loop="unrolled", kernels=m) for m in ("xla", "cpu")}
+    np.testing.assert_array_equal(outs["cpu"].tokens, outs["xla"].tokens)
+    np.testing.assert_allclose(outs["cpu"].logprobs, outs["xla"].logprobs, atol=1e-4)
     alone = sample(params, spec, PROMPTS[:1], jax.random.PRNGKey(0), cfg, lora=lora,
-                   layer_loop="unrolled", matmul="amx")  # one row: no padding to two rows
-    np.testing.assert_array_equal(alone.tokens[0], outs["amx"].tokens[0])
+                   layer_loop="unrolled", kernels="cpu")  # one row: no padding to two rows
+    np.testing.assert_array_equal(alone.tokens[0], outs["cpu"].tokens[0])
 
 
-def test_choose_matmul(bf16_models, monkeypatch):
+def test_choose_kernels(bf16_models, monkeypatch):
     spec, params = bf16_models["llama"]
     fp32 = jax.tree_util.tree_map(lambda a: a.astype(jnp.float32), params)
-    assert choose_matmul(fp32, "unrolled") == "xla"
-    assert choose_matmul(params, "scan") == "xla"
-    assert choose_matmul(params, "unrolled", "xla") == "xla"
-    assert choose_matmul(params, "unrolled") == ("amx" if amx.available() else "xla")
-    with pytest.raises(ValueError, match="needs bf16 weights"):
-        choose_matmul(fp32, "unrolled", "amx")
+    assert choose_kernels(fp32, "unrolled") == "xla"
+    assert choose_kernels(params, "scan") == "xla"
+    assert choose_kernels(params, "unrolled", "xla") == "xla"
+    assert choose_kernels(params, "unrolled") == ("cpu" if cpu_kernels.available() else "xla")
+    with pytest.raises(ValueError, match="need bf16 weights"):
+        choose_kernels(fp32, "unrolled", "cpu")
     with pytest.raises(ValueError, match="one of"):
-        choose_matmul(params, "unrolled", "mkl")
-    monkeypatch.setenv("JAXRL_AMX", "0")
-    assert amx._unavailable_reason() == "JAXRL_AMX=0"
+        choose_kernels(params, "unrolled", "mkl")
+    monkeypatch.setenv("JAXRL_CPU_KERNELS", "0")
+    assert cpu_kernels._unavailable_reason() == "JAXRL_CPU_KERNELS=0"
 
 
-@needs_amx
+@needs_kernels
 def test_a_failed_build_is_a_reason_not_a_crash(monkeypatch, tmp_path):
     monkeypatch.setenv("JAXRL_CACHE", str(tmp_path))
     monkeypatch.setenv("CXX", "false")  # a "compiler" that always fails
-    assert amx._unavailable_reason().startswith("could not build or load the kernel")
+    assert cpu_kernels._unavailable_reason().startswith("could not build or load the kernel")
     assert not list((tmp_path / "kernels").glob("*.so"))

@@ -1,0 +1,287 @@
+// jaxrl's CPU kernels for the sampler's decode loop (jaxrl/kernels/cpu.py).
+//
+// bf16 matmul: y[M, N] (float32) = x[M, K] (bf16) @ W[K, N] (bf16) on Intel AMX tiles: bf16 products
+// accumulated in float32, as XLA's dot with preferred_element_type=float32 computes them (up to
+// summation order). W comes packed by `jaxrl.kernels.cpu.pack_kernel`: [P, K/2, 64, 2], P panels of
+// 64 output columns, the two bf16 of a k pair side by side (the B-tile layout TDPBF16PS reads),
+// K a multiple of 32. Panels are shared out over XLA's intra-op thread pool.
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cmath>
+#include <cstring>
+#include <memory>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kPanel = 64;  // output columns per panel: four 16-column C tiles
+constexpr int64_t kTileRows = 16;
+constexpr int64_t kPairs = 16;  // k pairs per B tile (32 values of K)
+
+struct TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// tiles 0-3: C (rows x 16 float32), 4: A (rows x 32 bf16), 5-6: B (16 pairs x 16 columns)
+void configure(int64_t rows) {
+  TileConfig cfg;
+  for (int t = 0; t < 7; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = static_cast<uint8_t>(t < 5 ? rows : kPairs);
+  }
+  _tile_loadconfig(&cfg);
+}
+
+struct Job {
+  const uint16_t* x;  // [M, K]
+  const uint16_t* w;  // [P, K/2, 64, 2]
+  float* y;           // [M, N]
+  int64_t m, k, n, panels, blocks;  // blocks: row blocks of 16
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+};
+
+// Rows [m0, m0 + rows) of panel p.
+void block(const Job& j, int64_t p, int64_t m0, int64_t rows) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  const int64_t k2 = j.k / 2;
+  const uint16_t* panel = j.w + p * k2 * kPanel * 2;
+  const uint16_t* x = j.x + m0 * j.k;
+  constexpr int64_t wstride = kPanel * 4;  // bytes from one k pair to the next
+  for (int64_t kk = 0; kk < k2; kk += kPairs) {
+    const uint16_t* b = panel + kk * kPanel * 2;
+    _tile_loadd(4, x + 2 * kk, j.k * 2);
+    _tile_loadd(5, b, wstride);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_loadd(6, b + 32, wstride);
+    _tile_dpbf16ps(1, 4, 6);
+    _tile_loadd(5, b + 64, wstride);
+    _tile_dpbf16ps(2, 4, 5);
+    _tile_loadd(6, b + 96, wstride);
+    _tile_dpbf16ps(3, 4, 6);
+  }
+  const int64_t n0 = p * kPanel;
+  float* y = j.y + m0 * j.n + n0;
+  if (n0 + kPanel <= j.n) {
+    _tile_stored(0, y, j.n * 4);
+    _tile_stored(1, y + 16, j.n * 4);
+    _tile_stored(2, y + 32, j.n * 4);
+    _tile_stored(3, y + 48, j.n * 4);
+    return;
+  }
+  alignas(64) float tmp[kTileRows * kPanel];
+  _tile_stored(0, tmp, kPanel * 4);
+  _tile_stored(1, tmp + 16, kPanel * 4);
+  _tile_stored(2, tmp + 32, kPanel * 4);
+  _tile_stored(3, tmp + 48, kPanel * 4);
+  for (int64_t r = 0; r < rows; ++r)
+    std::memcpy(y + r * j.n, tmp + r * kPanel, (j.n - n0) * sizeof(float));
+}
+
+void work(Job& j) {
+  int64_t configured = 0;
+  const int64_t tasks = j.panels * j.blocks;
+  for (int64_t t; (t = j.next.fetch_add(1, std::memory_order_relaxed)) < tasks;) {
+    const int64_t p = t / j.blocks, m0 = (t % j.blocks) * kTileRows;
+    const int64_t rows = std::min(kTileRows, j.m - m0);
+    if (rows != configured) configure(configured = rows);
+    block(j, p, m0, rows);
+    j.done.fetch_add(1, std::memory_order_release);
+  }
+  if (configured) _tile_release();
+}
+
+ffi::Error Bf16Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
+                      ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  if (wd.size() != 4 || wd[2] != kPanel || wd[3] != 2 || wd[1] % kPairs || xd.size() == 0 ||
+      yd.size() == 0)
+    return ffi::Error::InvalidArgument("bf16_matmul: W must be packed [P, K/2, 64, 2]");
+  const int64_t k = xd.back(), n = yd.back();
+  if (k != 2 * wd[1] || n > wd[0] * kPanel || n <= (wd[0] - 1) * kPanel)
+    return ffi::Error::InvalidArgument("bf16_matmul: x, W and y shapes disagree");
+  auto job = std::make_shared<Job>();
+  job->x = x.typed_data();
+  job->w = w.typed_data();
+  job->y = y->typed_data();
+  job->m = static_cast<int64_t>(x.element_count()) / k;
+  job->k = k;
+  job->n = n;
+  job->panels = wd[0];
+  job->blocks = (job->m + kTileRows - 1) / kTileRows;
+  const int64_t tasks = job->panels * job->blocks;
+  if (tasks == 0) return ffi::Error::Success();
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), tasks) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { work(*job); });
+  work(*job);
+  while (job->done.load(std::memory_order_acquire) < tasks) _mm_pause();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrlBf16Matmul, Bf16Matmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+// 1 when this process may use AMX tiles (the CPU has them and Linux grants the tile state), 0
+// otherwise; the kernel must not be called after a 0.
+extern "C" int jaxrl_amx_ready() {
+  constexpr int kReqPerm = 0x1023, kXtiledata = 18;
+  __builtin_cpu_init();
+  if (!__builtin_cpu_supports("amx-bf16") || !__builtin_cpu_supports("amx-tile")) return 0;
+  return syscall(SYS_arch_prctl, kReqPerm, kXtiledata) == 0 ? 1 : 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Decode attention: one new query token per row over a float32 cache, keys stored transposed.
+//   q [B, H, D], kt [B, K, D, S], v [B, K, S, D] (float32), mask [B, S] (true = may attend),
+//   limit [] int32: slots >= limit are ignored (they are empty); out [B, H, D] float32.
+// softmax(q.k / sqrt(D)) over the allowed slots, then the weighted sum of values; a (b, kv head)
+// pair is one task. D is 64 or 128. Slots masked out get probability 0, as in
+// jaxrl.model.attention; a row needs at least one allowed slot below limit (its own).
+namespace {
+
+// e^x for x <= 0 (float32, ~1 ulp): 2^n * e^r with |r| <= ln2 / 2, a degree-6 polynomial for e^r.
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+struct AttnJob {
+  const float *q, *kt, *v;
+  const bool* mask;
+  float* out;
+  int64_t b, h, kv, d, s, limit;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+};
+
+template <int DB>  // D / 16
+void attend_pair(const AttnJob& j, int64_t bi, int64_t ki, float* scores) {
+  constexpr int64_t D = DB * 16;
+  const int64_t g = j.h / j.kv, s = j.s, blocks = (j.limit + 15) / 16;
+  const float* kt = j.kt + (bi * j.kv + ki) * D * s;
+  const float* v = j.v + (bi * j.kv + ki) * s * D;
+  const bool* mask = j.mask + bi * s;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  for (int64_t gi = 0; gi < g; ++gi) {
+    const int64_t head = ki * g + gi;
+    const float* q = j.q + (bi * j.h + head) * D;
+    // scores over slot blocks of 16; masked slots -> -inf-like, as jaxrl.model.attention
+    __m512 top = _mm512_set1_ps(-1e30f);
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      const int64_t s0 = blk * 16;
+      __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+      for (int64_t di = 0; di < D; di += 2) {
+        acc0 = _mm512_fmadd_ps(_mm512_set1_ps(q[di]), _mm512_loadu_ps(kt + di * s + s0), acc0);
+        acc1 = _mm512_fmadd_ps(_mm512_set1_ps(q[di + 1]),
+                               _mm512_loadu_ps(kt + (di + 1) * s + s0), acc1);
+      }
+      __mmask16 allowed = 0;
+      for (int i = 0; i < 16; ++i)
+        if (s0 + i < j.limit && mask[s0 + i]) allowed |= static_cast<__mmask16>(1u << i);
+      const __m512 sc = _mm512_mask_blend_ps(allowed, _mm512_set1_ps(-1e30f),
+                                             _mm512_mul_ps(_mm512_add_ps(acc0, acc1),
+                                                           _mm512_set1_ps(scale)));
+      _mm512_storeu_ps(scores + s0, sc);
+      top = _mm512_max_ps(top, sc);
+    }
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      const __m512 p = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(scores + 16 * blk), m));
+      _mm512_storeu_ps(scores + 16 * blk, p);
+      total = _mm512_add_ps(total, p);
+    }
+    const float inv = 1.0f / _mm512_reduce_add_ps(total);
+    __m512 acc[DB];
+    for (int c = 0; c < DB; ++c) acc[c] = _mm512_setzero_ps();
+    for (int64_t si = 0; si < j.limit; ++si) {
+      if (!mask[si]) continue;
+      const __m512 p = _mm512_set1_ps(scores[si]);
+      for (int c = 0; c < DB; ++c)
+        acc[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + si * D + 16 * c), acc[c]);
+    }
+    float* out = j.out + (bi * j.h + head) * D;
+    for (int c = 0; c < DB; ++c)
+      _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(acc[c], _mm512_set1_ps(inv)));
+  }
+}
+
+void attn_work(AttnJob& j) {
+  const int64_t tasks = j.b * j.kv;
+  std::unique_ptr<float[]> scores(new float[(j.limit + 15) / 16 * 16]);
+  for (int64_t t; (t = j.next.fetch_add(1, std::memory_order_relaxed)) < tasks;) {
+    if (j.d == 64)
+      attend_pair<4>(j, t / j.kv, t % j.kv, scores.get());
+    else
+      attend_pair<8>(j, t / j.kv, t % j.kv, scores.get());
+    j.done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                           ffi::Buffer<ffi::F32> kt, ffi::Buffer<ffi::F32> v,
+                           ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::S32> limit,
+                           ffi::ResultBuffer<ffi::F32> out) {
+  auto qd = q.dimensions(), kd = kt.dimensions(), vd = v.dimensions();
+  if (qd.size() != 3 || kd.size() != 4 || vd.size() != 4)
+    return ffi::Error::InvalidArgument("decode_attention: q [B, H, D], kt [B, K, D, S], v [B, K, S, D]");
+  auto job = std::make_shared<AttnJob>();
+  job->b = qd[0], job->h = qd[1], job->d = qd[2], job->kv = kd[1], job->s = kd[3];
+  if (kd[0] != job->b || kd[2] != job->d || vd[0] != job->b || vd[1] != job->kv ||
+      vd[2] != job->s || vd[3] != job->d || job->h % job->kv || (job->d != 64 && job->d != 128) ||
+      job->s % 16)
+    return ffi::Error::InvalidArgument("decode_attention: shapes disagree or unsupported");
+  job->limit = std::min<int64_t>(std::max<int64_t>(*limit.typed_data(), 1), job->s);
+  job->q = q.typed_data(), job->kt = kt.typed_data(), job->v = v.typed_data();
+  job->mask = mask.typed_data(), job->out = out->typed_data();
+  const int64_t tasks = job->b * job->kv;
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), tasks) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { attn_work(*job); });
+  attn_work(*job);
+  while (job->done.load(std::memory_order_acquire) < tasks) _mm_pause();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrlDecodeAttention, DecodeAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
