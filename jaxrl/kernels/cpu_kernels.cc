@@ -34,12 +34,21 @@ struct TileConfig {
   uint8_t rows[16] = {};
 };
 
-// tiles 0-3: C (rows x 16 float32), 4: A (rows x 32 bf16), 5-6: B (16 pairs x 16 columns)
-void configure(int64_t rows) {
+// A task computes one panel for up to 32 rows. Up to 16 rows ("single"): tiles 0-3 are the
+// four C tiles (rows x 16 float32), 4 is A (rows x 32 bf16), 5-6 are B (16 pairs x 16 columns).
+// 17-32 rows ("pair"): the panel in two halves of 32 columns; tiles 0-1 are C for rows 0-15 and
+// 2-3 for the rest, 4-5 the two A tiles, 6-7 the B tiles, so the panel's weights are read once.
+void configure(int64_t r0, int64_t r1) {
   TileConfig cfg;
-  for (int t = 0; t < 7; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = static_cast<uint8_t>(t < 5 ? rows : kPairs);
+  for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64;
+  if (r1 == 0) {
+    for (int t = 0; t < 5; ++t) cfg.rows[t] = static_cast<uint8_t>(r0);
+    cfg.rows[5] = cfg.rows[6] = kPairs;
+    cfg.colsb[7] = 0;
+  } else {
+    cfg.rows[0] = cfg.rows[1] = cfg.rows[4] = static_cast<uint8_t>(r0);
+    cfg.rows[2] = cfg.rows[3] = cfg.rows[5] = static_cast<uint8_t>(r1);
+    cfg.rows[6] = cfg.rows[7] = kPairs;
   }
   _tile_loadconfig(&cfg);
 }
@@ -48,62 +57,105 @@ struct Job {
   const uint16_t* x;  // [M, K]
   const uint16_t* w;  // [P, K/2, 64, 2]
   float* y;           // [M, N]
-  int64_t m, k, n, panels, blocks;  // blocks: row blocks of 16
+  int64_t m, k, n, panels, blocks;  // blocks: row blocks of up to 32
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 };
 
-// Rows [m0, m0 + rows) of panel p.
-void block(const Job& j, int64_t p, int64_t m0, int64_t rows) {
+constexpr int64_t kBlockRows = 2 * kTileRows;
+constexpr int64_t kWStride = kPanel * 4;  // bytes from one k pair to the next in a panel
+
+// Store C tile T (rows x 16) at column col of y's rows: straight into y when all 16 columns
+// exist, through a buffer for the last panel's partial tile. (A macro: the tile intrinsics take
+// the tile number as a literal.)
+#define JAXRL_STORE_TILE(T, j, y, col, rows)                                            \
+  do {                                                                                  \
+    if ((col) + 16 <= (j).n) {                                                          \
+      _tile_stored(T, (y) + (col), (j).n * 4);                                         \
+    } else if ((col) < (j).n) {                                                         \
+      alignas(64) float tmp[kTileRows * 16];                                            \
+      _tile_stored(T, tmp, 64);                                                         \
+      for (int64_t r = 0; r < (rows); ++r)                                              \
+        std::memcpy((y) + r * (j).n + (col), tmp + r * 16, ((j).n - (col)) * sizeof(float)); \
+    }                                                                                   \
+  } while (0)
+
+// Rows [m0, m0 + rows), rows <= 16, of panel p.
+void single(const Job& j, const uint16_t* panel, int64_t p, int64_t m0, int64_t rows) {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
-  const int64_t k2 = j.k / 2;
-  const uint16_t* panel = j.w + p * k2 * kPanel * 2;
   const uint16_t* x = j.x + m0 * j.k;
-  constexpr int64_t wstride = kPanel * 4;  // bytes from one k pair to the next
-  for (int64_t kk = 0; kk < k2; kk += kPairs) {
+  for (int64_t kk = 0; kk < j.k / 2; kk += kPairs) {
     const uint16_t* b = panel + kk * kPanel * 2;
     _tile_loadd(4, x + 2 * kk, j.k * 2);
-    _tile_loadd(5, b, wstride);
+    _tile_loadd(5, b, kWStride);
     _tile_dpbf16ps(0, 4, 5);
-    _tile_loadd(6, b + 32, wstride);
+    _tile_loadd(6, b + 32, kWStride);
     _tile_dpbf16ps(1, 4, 6);
-    _tile_loadd(5, b + 64, wstride);
+    _tile_loadd(5, b + 64, kWStride);
     _tile_dpbf16ps(2, 4, 5);
-    _tile_loadd(6, b + 96, wstride);
+    _tile_loadd(6, b + 96, kWStride);
     _tile_dpbf16ps(3, 4, 6);
   }
+  float* y = j.y + m0 * j.n;
   const int64_t n0 = p * kPanel;
-  float* y = j.y + m0 * j.n + n0;
-  if (n0 + kPanel <= j.n) {
-    _tile_stored(0, y, j.n * 4);
-    _tile_stored(1, y + 16, j.n * 4);
-    _tile_stored(2, y + 32, j.n * 4);
-    _tile_stored(3, y + 48, j.n * 4);
-    return;
+  JAXRL_STORE_TILE(0, j, y, n0, rows);
+  JAXRL_STORE_TILE(1, j, y, n0 + 16, rows);
+  JAXRL_STORE_TILE(2, j, y, n0 + 32, rows);
+  JAXRL_STORE_TILE(3, j, y, n0 + 48, rows);
+}
+
+// Rows [m0, m0 + 16 + r1), 0 < r1 <= 16, of panel p.
+void pair(const Job& j, const uint16_t* panel, int64_t p, int64_t m0, int64_t r1) {
+  const uint16_t* x0 = j.x + m0 * j.k;
+  const uint16_t* x1 = x0 + kTileRows * j.k;
+  float* y0 = j.y + m0 * j.n;
+  float* y1 = y0 + kTileRows * j.n;
+  for (int64_t half = 0; half < 2; ++half) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t kk = 0; kk < j.k / 2; kk += kPairs) {
+      const uint16_t* b = panel + kk * kPanel * 2 + 64 * half;
+      _tile_loadd(4, x0 + 2 * kk, j.k * 2);
+      _tile_loadd(6, b, kWStride);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_loadd(7, b + 32, kWStride);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_loadd(5, x1 + 2 * kk, j.k * 2);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    const int64_t col = p * kPanel + 32 * half;
+    JAXRL_STORE_TILE(0, j, y0, col, kTileRows);
+    JAXRL_STORE_TILE(1, j, y0, col + 16, kTileRows);
+    JAXRL_STORE_TILE(2, j, y1, col, r1);
+    JAXRL_STORE_TILE(3, j, y1, col + 16, r1);
   }
-  alignas(64) float tmp[kTileRows * kPanel];
-  _tile_stored(0, tmp, kPanel * 4);
-  _tile_stored(1, tmp + 16, kPanel * 4);
-  _tile_stored(2, tmp + 32, kPanel * 4);
-  _tile_stored(3, tmp + 48, kPanel * 4);
-  for (int64_t r = 0; r < rows; ++r)
-    std::memcpy(y + r * j.n, tmp + r * kPanel, (j.n - n0) * sizeof(float));
 }
 
 void work(Job& j) {
-  int64_t configured = 0;
+  int64_t configured = -1;  // r0 * 64 + r1 of the loaded tile configuration
   const int64_t tasks = j.panels * j.blocks;
   for (int64_t t; (t = j.next.fetch_add(1, std::memory_order_relaxed)) < tasks;) {
-    const int64_t p = t / j.blocks, m0 = (t % j.blocks) * kTileRows;
-    const int64_t rows = std::min(kTileRows, j.m - m0);
-    if (rows != configured) configure(configured = rows);
-    block(j, p, m0, rows);
+    const int64_t p = t / j.blocks, m0 = (t % j.blocks) * kBlockRows;
+    const int64_t rows = std::min(kBlockRows, j.m - m0);
+    const int64_t r0 = std::min(kTileRows, rows), r1 = rows - r0;
+    if (r0 * 64 + r1 != configured) {
+      configure(r0, r1);
+      configured = r0 * 64 + r1;
+    }
+    const uint16_t* panel = j.w + p * (j.k / 2) * kPanel * 2;
+    if (r1 == 0)
+      single(j, panel, p, m0, r0);
+    else
+      pair(j, panel, p, m0, r1);
     j.done.fetch_add(1, std::memory_order_release);
   }
-  if (configured) _tile_release();
+  if (configured >= 0) _tile_release();
 }
 
 ffi::Error Bf16Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
@@ -123,7 +175,7 @@ ffi::Error Bf16Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffe
   job->k = k;
   job->n = n;
   job->panels = wd[0];
-  job->blocks = (job->m + kTileRows - 1) / kTileRows;
+  job->blocks = (job->m + kBlockRows - 1) / kBlockRows;
   const int64_t tasks = job->panels * job->blocks;
   if (tasks == 0) return ffi::Error::Success();
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), tasks) - 1;
