@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 from collections.abc import Callable, Sequence
 
 import jax
@@ -67,6 +68,7 @@ from jaxrl.config import SamplingConfig
 from jaxrl.kernels import cpu as cpu_kernels
 from jaxrl.lora.lora import Lora
 from jaxrl.model.families import ModelSpec
+from jaxrl.model.attention import rope_tables
 from jaxrl.model.kv_cache import init_cache, init_layer_cache
 from jaxrl.model.params import LINEAR_NAMES
 from jaxrl.model.transformer import (Params, hidden_states, lm_logits, positions_from_mask,
@@ -165,14 +167,45 @@ def _packed(params: Params) -> Params:
             "lm_head": {"kernel": cpu_kernels.pack_kernel(head)}}
 
 
+@jax.jit
+def pack_params(params: Params) -> Params:
+    """params for kernels "cpu": the layer stack split into per-layer trees, every linear kernel
+    and the LM head packed for `jaxrl.kernels.cpu.matmul`; `generate` takes them as they are.
+    `sample` packs once per params and keeps the result while they live (`_packed_once`)."""
+    return _packed({**params, "layers": unstack_layers(params["layers"])})
+
+
+_PACKED: dict = {}  # the last params `sample` packed: {"leaves": weakrefs, "packed": params}
+
+
+def _packed_once(params: Params) -> Params:
+    """`pack_params(params)`, reused while the same arrays are passed again (a GRPO run samples
+    from one frozen base many times); dropped when they are freed. Holds one packed copy."""
+    leaves = jax.tree_util.tree_leaves(params)
+    refs = _PACKED.get("leaves", ())
+    if len(refs) == len(leaves) and all(r() is x for r, x in zip(refs, leaves)):
+        return _PACKED["packed"]
+    _PACKED.clear()
+    packed, token = pack_params(params), object()
+    _PACKED.update(leaves=[weakref.ref(x) for x in leaves], packed=packed, token=token)
+    weakref.finalize(leaves[0], _drop_packed, token)
+    return packed
+
+
+def _drop_packed(token: object) -> None:
+    if _PACKED.get("token") is token:
+        _PACKED.clear()
+
+
 def _unstacked(params: Params, lora: Lora | None, pack: bool):
     """params and lora with their layer stacks split into per-layer trees (and with pack, the
-    kernels packed for the CPU matmul kernel), materialized before the decode loop: the optimization
-    barrier keeps XLA from sinking the slices into the loop body, where they would copy every
-    layer's weights out of the stacks on every step."""
-    params = {**params, "layers": unstack_layers(params["layers"])}
-    if pack:
-        params = _packed(params)
+    kernels packed for the CPU matmul kernel, unless `pack_params` did it already), materialized
+    before the decode loop: the optimization barrier keeps XLA from sinking the slices into the
+    loop body, where they would copy every layer's weights out of the stacks on every step."""
+    if not isinstance(params["layers"], tuple):  # else packed by pack_params
+        params = {**params, "layers": unstack_layers(params["layers"])}
+        if pack:
+            params = _packed(params)
     adapters = None if lora is None else unstack_layers(lora.weights["layers"])
     layers, adapters = jax.lax.optimization_barrier(((params["layers"], params.get("lm_head")),
                                                      adapters))
@@ -235,8 +268,9 @@ def _generate(params, prompt, prompt_mask, key, max_new_tokens, lora, *, spec, d
     make_cache, run_layers = init_cache, hidden_states
     if layer_loop == "unrolled":
         make_cache = init_layer_cache
-        run_layers = functools.partial(unrolled_hidden_states,
-                                       cpu_kernel_attention=kernels == "cpu")
+        run_layers = functools.partial(
+            unrolled_hidden_states, cpu_kernel_attention=kernels == "cpu",
+            rope_table=rope_tables(jnp.arange(p + n, dtype=jnp.int32)[None], spec))
         params, lora = _unstacked(params, lora, pack=kernels == "cpu")
 
     def logits_after(tokens, positions, cache):  # [B, V] at each row's last input token
@@ -317,10 +351,13 @@ def sample(params: Params, spec: ModelSpec, prompts: Sequence[Sequence[int]], ke
     rows = (tokens, mask) if shardings is None else distributed.rows_to_global(shardings,
                                                                                (tokens, mask))
     loop = choose_layer_loop(params, layer_loop)
+    kernels = choose_kernels(params, loop, kernels, shardings)
+    if kernels == "cpu":
+        params = _packed_once(params)
     gen = generate(params, *rows, key, jnp.int32(cfg.max_new_tokens), lora, spec=spec,
                    decoding=Decoding.from_config(cfg), eos_ids=tuple(int(i) for i in eos_ids),
                    max_new_bucket=bucket(cfg.max_new_tokens), layer_loop=loop,
-                   shardings=shardings, kernels=choose_kernels(params, loop, kernels, shardings))
+                   shardings=shardings, kernels=kernels)
     gen = jax.device_get(gen) if shardings is None else distributed.rows_to_local(gen)
     n = cfg.max_new_tokens
     out = SampleOutput(prompt_tokens=tokens, prompt_mask=mask, tokens=gen.tokens[:, :n],

@@ -140,3 +140,23 @@ def test_a_failed_build_is_a_reason_not_a_crash(monkeypatch, tmp_path):
     monkeypatch.setenv("CXX", "false")  # a "compiler" that always fails
     assert cpu_kernels._unavailable_reason().startswith("could not build or load the kernel")
     assert not list((tmp_path / "kernels").glob("*.so"))
+
+
+@needs_kernels
+def test_sample_packs_the_weights_once_per_params(bf16_models, monkeypatch):
+    from jaxrl.sampling import sampler
+
+    spec, params = bf16_models["llama"]
+    calls = []
+    pack = sampler.pack_params
+    monkeypatch.setattr(sampler, "pack_params", lambda p: calls.append(1) or pack(p))
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=4)
+    run = lambda p: sample(p, spec, PROMPTS[:1], jax.random.PRNGKey(0), cfg).tokens
+    first = run(params)
+    np.testing.assert_array_equal(run(dict(params)), first)  # same arrays, new dict
+    assert len(calls) == 1
+    other = jax.tree_util.tree_map(lambda a: a + 0, params)  # equal values, new arrays
+    np.testing.assert_array_equal(run(other), first)
+    assert len(calls) == 2
+    del other
+    assert not sampler._PACKED  # freed with the params it was packed from
