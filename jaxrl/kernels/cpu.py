@@ -9,8 +9,11 @@ default model's matmuls takes ~31 / 35 / 42 ms at batch 1 / 8 / 32, against ~18 
 here (`python tools/bench_decode_floor.py` times both). Kernels are packed once per `generate`
 call, before the decode loop.
 
-`decode_attention`: one query token per row over the float32 cache (keys stored [B, K, D, S]),
-reading only the slots filled so far, where XLA's batched dots read every slot of the cache.
+`decode_attention`: one new token per row: writes its key and value into the cache layer in
+place and attends over the slots filled so far (keys stored [B, K, D, S]), where XLA's batched
+dots read every slot of the cache. The cache may be bf16 (the sampler's, for bf16 weights: keys
+and values are computed in bf16, so it is lossless and half the bytes to read), which XLA:CPU
+cannot update without converting the whole cache each step; scores and softmax are float32.
 
 The C++ source is compiled on first use with the system's C++ compiler against jaxlib's FFI
 headers, into $JAXRL_CACHE/kernels (one build per source, jaxlib version and CPU), then loaded
@@ -39,7 +42,8 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cc")
 TARGETS = {"jaxrl_bf16_matmul": "JaxrlBf16Matmul",
-           "jaxrl_decode_attention": "JaxrlDecodeAttention"}
+           "jaxrl_decode_attention_f32": "JaxrlDecodeAttentionF32",
+           "jaxrl_decode_attention_bf16": "JaxrlDecodeAttentionBF16"}
 ATTENTION_HEAD_DIMS = (64, 128)  # head dims decode_attention takes
 PANEL = 64  # output columns per packed panel
 K_MULTIPLE = 32  # the kernel consumes K in steps of 32
@@ -73,19 +77,25 @@ def matmul(x: jax.Array, w: PackedKernel) -> jax.Array:
 
 def attention_supported(kt: jax.Array) -> bool:
     """Whether `decode_attention` takes a cache layer with keys kt [B, K, D, S]."""
-    return (kt.dtype == jnp.float32 and kt.shape[2] in ATTENTION_HEAD_DIMS
+    return (kt.dtype in (jnp.float32, jnp.bfloat16) and kt.shape[2] in ATTENTION_HEAD_DIMS
             and kt.shape[3] % 16 == 0)
 
 
-def decode_attention(q: jax.Array, kt: jax.Array, v: jax.Array, mask: jax.Array,
-                     limit: jax.Array) -> jax.Array:
-    """Attention of one new token per row: q [B, H, D], the cache layer's keys kt [B, K, D, S]
-    and values v [B, K, S, D] (float32), mask [B, S] (True = may attend), limit [] int32 (slots
-    >= limit are empty and skipped). Returns [B, H, D] float32. D in ATTENTION_HEAD_DIMS, S a
-    multiple of 16; each row must be allowed at least one slot below limit."""
-    out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
-    return jax.ffi.ffi_call("jaxrl_decode_attention", out)(
-        q.astype(jnp.float32), kt, v, mask, limit.astype(jnp.int32))
+def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache_kt: jax.Array,
+                     cache_v: jax.Array, mask: jax.Array, pos: jax.Array):
+    """One decode step of attention: the new token's k, v [B, K, D] are written at slot pos of
+    the cache layer (keys cache_kt [B, K, D, S], values cache_v [B, K, S, D], float32 or bf16;
+    updated in place), then q [B, H, D] attends over slots [0, pos] where mask [B, S] allows
+    (True = may attend; each row must be allowed slot pos). Returns (out [B, H, D] float32,
+    cache_kt, cache_v). D in ATTENTION_HEAD_DIMS, S a multiple of 16."""
+    dtype = cache_kt.dtype
+    target = "jaxrl_decode_attention_" + ("bf16" if dtype == jnp.bfloat16 else "f32")
+    shapes = (jax.ShapeDtypeStruct(q.shape, jnp.float32),
+              jax.ShapeDtypeStruct(cache_kt.shape, dtype),
+              jax.ShapeDtypeStruct(cache_v.shape, dtype))
+    call = jax.ffi.ffi_call(target, shapes, input_output_aliases={3: 1, 4: 2})
+    return call(q.astype(jnp.float32), k.astype(dtype), v.astype(dtype), cache_kt, cache_v,
+                mask, pos.astype(jnp.int32))
 
 
 def _build_dir() -> Path:

@@ -204,12 +204,15 @@ extern "C" int jaxrl_amx_ready() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Decode attention: one new query token per row over a float32 cache, keys stored transposed.
-//   q [B, H, D], kt [B, K, D, S], v [B, K, S, D] (float32), mask [B, S] (true = may attend),
-//   limit [] int32: slots >= limit are ignored (they are empty); out [B, H, D] float32.
-// softmax(q.k / sqrt(D)) over the allowed slots, then the weighted sum of values; a (b, kv head)
-// pair is one task. D is 64 or 128. Slots masked out get probability 0, as in
-// jaxrl.model.attention; a row needs at least one allowed slot below limit (its own).
+// Decode attention: one new token per row. Writes the token's key and value into the cache
+// layer at slot pos (in place: the cache outputs alias the cache inputs), then attends over
+// slots [0, pos] of the cache, keys stored transposed:
+//   q [B, H, D] float32, k, v [B, K, D] (cache dtype), cache kt [B, K, D, S] and cv [B, K, S, D]
+//   (float32 or bf16), mask [B, S] (true = may attend), pos [] int32;
+//   out [B, H, D] float32, then the updated kt and cv.
+// softmax(q.k / sqrt(D)) over the allowed slots in float32, then the weighted sum of values; a
+// (b, kv head) pair is one task. D is 64 or 128, S a multiple of 16. Masked slots get
+// probability 0, as in jaxrl.model.attention; each row must be allowed its own slot pos.
 namespace {
 
 // e^x for x <= 0 (float32, ~1 ulp): 2^n * e^r with |r| <= ln2 / 2, a degree-6 polynomial for e^r.
@@ -229,39 +232,56 @@ inline __m512 exp_ps(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {  // 16 bf16 -> float32 (exact)
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+inline float load1(const float* p) { return *p; }
+inline float load1(const uint16_t* p) {
+  const uint32_t bits = static_cast<uint32_t>(*p) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+template <typename T>
 struct AttnJob {
-  const float *q, *kt, *v;
+  const float* q;
+  const T *k, *v;
+  T *kt, *cv;
   const bool* mask;
   float* out;
-  int64_t b, h, kv, d, s, limit;
+  int64_t b, h, kv, d, s, pos;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 };
 
-template <int DB>  // D / 16
-void attend_pair(const AttnJob& j, int64_t bi, int64_t ki, float* scores) {
+template <int DB, typename T>  // DB = D / 16
+void attend_pair(const AttnJob<T>& j, int64_t bi, int64_t ki, float* scores) {
   constexpr int64_t D = DB * 16;
-  const int64_t g = j.h / j.kv, s = j.s, blocks = (j.limit + 15) / 16;
-  const float* kt = j.kt + (bi * j.kv + ki) * D * s;
-  const float* v = j.v + (bi * j.kv + ki) * s * D;
+  const int64_t g = j.h / j.kv, s = j.s, limit = j.pos + 1, blocks = (limit + 15) / 16;
+  const int64_t pair = bi * j.kv + ki;
+  T* kt = j.kt + pair * D * s;
+  T* v = j.cv + pair * s * D;
+  for (int64_t di = 0; di < D; ++di) kt[di * s + j.pos] = j.k[pair * D + di];  // the new slot
+  std::memcpy(v + j.pos * D, j.v + pair * D, D * sizeof(T));
   const bool* mask = j.mask + bi * s;
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   for (int64_t gi = 0; gi < g; ++gi) {
     const int64_t head = ki * g + gi;
     const float* q = j.q + (bi * j.h + head) * D;
-    // scores over slot blocks of 16; masked slots -> -inf-like, as jaxrl.model.attention
     __m512 top = _mm512_set1_ps(-1e30f);
     for (int64_t blk = 0; blk < blocks; ++blk) {
       const int64_t s0 = blk * 16;
       __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
       for (int64_t di = 0; di < D; di += 2) {
-        acc0 = _mm512_fmadd_ps(_mm512_set1_ps(q[di]), _mm512_loadu_ps(kt + di * s + s0), acc0);
-        acc1 = _mm512_fmadd_ps(_mm512_set1_ps(q[di + 1]),
-                               _mm512_loadu_ps(kt + (di + 1) * s + s0), acc1);
+        acc0 = _mm512_fmadd_ps(_mm512_set1_ps(q[di]), load16(kt + di * s + s0), acc0);
+        acc1 = _mm512_fmadd_ps(_mm512_set1_ps(q[di + 1]), load16(kt + (di + 1) * s + s0), acc1);
       }
       __mmask16 allowed = 0;
       for (int i = 0; i < 16; ++i)
-        if (s0 + i < j.limit && mask[s0 + i]) allowed |= static_cast<__mmask16>(1u << i);
+        if (s0 + i < limit && mask[s0 + i]) allowed |= static_cast<__mmask16>(1u << i);
       const __m512 sc = _mm512_mask_blend_ps(allowed, _mm512_set1_ps(-1e30f),
                                              _mm512_mul_ps(_mm512_add_ps(acc0, acc1),
                                                            _mm512_set1_ps(scale)));
@@ -278,11 +298,10 @@ void attend_pair(const AttnJob& j, int64_t bi, int64_t ki, float* scores) {
     const float inv = 1.0f / _mm512_reduce_add_ps(total);
     __m512 acc[DB];
     for (int c = 0; c < DB; ++c) acc[c] = _mm512_setzero_ps();
-    for (int64_t si = 0; si < j.limit; ++si) {
+    for (int64_t si = 0; si < limit; ++si) {
       if (!mask[si]) continue;
       const __m512 p = _mm512_set1_ps(scores[si]);
-      for (int c = 0; c < DB; ++c)
-        acc[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + si * D + 16 * c), acc[c]);
+      for (int c = 0; c < DB; ++c) acc[c] = _mm512_fmadd_ps(p, load16(v + si * D + 16 * c), acc[c]);
     }
     float* out = j.out + (bi * j.h + head) * D;
     for (int c = 0; c < DB; ++c)
@@ -290,9 +309,10 @@ void attend_pair(const AttnJob& j, int64_t bi, int64_t ki, float* scores) {
   }
 }
 
-void attn_work(AttnJob& j) {
+template <typename T>
+void attn_work(AttnJob<T>& j) {
   const int64_t tasks = j.b * j.kv;
-  std::unique_ptr<float[]> scores(new float[(j.limit + 15) / 16 * 16]);
+  std::unique_ptr<float[]> scores(new float[j.s]);
   for (int64_t t; (t = j.next.fetch_add(1, std::memory_order_relaxed)) < tasks;) {
     if (j.d == 64)
       attend_pair<4>(j, t / j.kv, t % j.kv, scores.get());
@@ -302,21 +322,29 @@ void attn_work(AttnJob& j) {
   }
 }
 
-ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
-                           ffi::Buffer<ffi::F32> kt, ffi::Buffer<ffi::F32> v,
-                           ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::S32> limit,
-                           ffi::ResultBuffer<ffi::F32> out) {
-  auto qd = q.dimensions(), kd = kt.dimensions(), vd = v.dimensions();
+template <ffi::DataType DT, typename T>
+ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<DT> k,
+                           ffi::Buffer<DT> v, ffi::Buffer<DT> kt_in, ffi::Buffer<DT> cv_in,
+                           ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::S32> pos,
+                           ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<DT> kt,
+                           ffi::ResultBuffer<DT> cv) {
+  auto qd = q.dimensions(), kd = kt_in.dimensions(), vd = cv_in.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || vd.size() != 4)
     return ffi::Error::InvalidArgument("decode_attention: q [B, H, D], kt [B, K, D, S], v [B, K, S, D]");
-  auto job = std::make_shared<AttnJob>();
+  auto job = std::make_shared<AttnJob<T>>();
   job->b = qd[0], job->h = qd[1], job->d = qd[2], job->kv = kd[1], job->s = kd[3];
   if (kd[0] != job->b || kd[2] != job->d || vd[0] != job->b || vd[1] != job->kv ||
       vd[2] != job->s || vd[3] != job->d || job->h % job->kv || (job->d != 64 && job->d != 128) ||
-      job->s % 16)
+      job->s % 16 || k.element_count() != static_cast<size_t>(job->b * job->kv * job->d) ||
+      v.element_count() != k.element_count())
     return ffi::Error::InvalidArgument("decode_attention: shapes disagree or unsupported");
-  job->limit = std::min<int64_t>(std::max<int64_t>(*limit.typed_data(), 1), job->s);
-  job->q = q.typed_data(), job->kt = kt.typed_data(), job->v = v.typed_data();
+  job->pos = *pos.typed_data();
+  if (job->pos < 0 || job->pos >= job->s)
+    return ffi::Error::InvalidArgument("decode_attention: pos outside the cache");
+  if (kt->typed_data() != kt_in.typed_data() || cv->typed_data() != cv_in.typed_data())
+    return ffi::Error::Internal("decode_attention: the cache outputs must alias the inputs");
+  job->q = q.typed_data(), job->k = k.typed_data(), job->v = v.typed_data();
+  job->kt = kt->typed_data(), job->cv = cv->typed_data();
   job->mask = mask.typed_data(), job->out = out->typed_data();
   const int64_t tasks = job->b * job->kv;
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), tasks) - 1;
@@ -328,12 +356,23 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrlDecodeAttention, DecodeAttention,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::PRED>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+#define JAXRL_ATTENTION_BINDING(DT)          \
+  ffi::Ffi::Bind()                           \
+      .Ctx<ffi::ThreadPool>()                \
+      .Arg<ffi::Buffer<ffi::F32>>()          \
+      .Arg<ffi::Buffer<DT>>()                \
+      .Arg<ffi::Buffer<DT>>()                \
+      .Arg<ffi::Buffer<DT>>()                \
+      .Arg<ffi::Buffer<DT>>()                \
+      .Arg<ffi::Buffer<ffi::PRED>>()         \
+      .Arg<ffi::Buffer<ffi::S32>>()          \
+      .Ret<ffi::Buffer<ffi::F32>>()          \
+      .Ret<ffi::Buffer<DT>>()                \
+      .Ret<ffi::Buffer<DT>>()
+
+static constexpr auto DecodeAttentionF32 = DecodeAttention<ffi::F32, float>;
+static constexpr auto DecodeAttentionBF16 = DecodeAttention<ffi::BF16, uint16_t>;
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrlDecodeAttentionF32, DecodeAttentionF32,
+                              JAXRL_ATTENTION_BINDING(ffi::F32));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrlDecodeAttentionBF16, DecodeAttentionBF16,
+                              JAXRL_ATTENTION_BINDING(ffi::BF16));

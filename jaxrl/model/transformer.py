@@ -154,18 +154,22 @@ def hidden_states(params: Params, tokens: jax.Array, positions: jax.Array, spec:
 def _transposed_key_attention(mask: jax.Array, cache_kt: jax.Array, cache_v: jax.Array,
                               start: jax.Array, kernel: bool):
     """Attention over one `LayerKVCache` layer, this call's keys written at slot start; computed
-    in the cache dtype. kernel: one-token calls over a float32 cache attend with
-    `jaxrl.kernels.cpu.decode_attention` where it takes the shapes."""
+    in the cache dtype. kernel: one-token calls write the cache and attend in
+    `jaxrl.kernels.cpu.decode_attention` where it takes the shapes, and other calls attend in
+    float32 (the kernel's precision) whatever the cache dtype."""
     def attention(q, k, v):
+        b, t, h, d = q.shape
+        if kernel and t == 1 and cpu_kernels.attention_supported(cache_kt):
+            out, kt, cv = cpu_kernels.decode_attention(q[:, 0], k[:, 0], v[:, 0], cache_kt,
+                                                       cache_v, mask[:, 0], start)
+            return out.reshape(b, 1, h * d).astype(q.dtype), (kt, cv)
         kt = k.transpose(0, 2, 3, 1).astype(cache_kt.dtype)  # [B, K, D, T]
         v = v.transpose(0, 2, 1, 3).astype(cache_v.dtype)  # [B, K, T, D]
         kt = jax.lax.dynamic_update_slice(cache_kt, kt, (0, 0, 0, start))
         v = jax.lax.dynamic_update_slice(cache_v, v, (0, 0, start, 0))
-        b, t, h, d = q.shape
-        if kernel and t == 1 and cpu_kernels.attention_supported(kt):
-            out = cpu_kernels.decode_attention(q[:, 0], kt, v, mask[:, 0], start + 1)
-            return out.reshape(b, 1, h * d).astype(q.dtype), (kt, v)
-        out = attend(q.astype(kt.dtype), kt, v, mask, keys_transposed=True)
+        dtype = jnp.float32 if kernel else kt.dtype
+        out = attend(q.astype(dtype), kt.astype(dtype), v.astype(dtype), mask,
+                     keys_transposed=True)
         return out.astype(q.dtype), (kt, v)
     return attention
 

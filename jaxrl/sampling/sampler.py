@@ -39,9 +39,10 @@ custom call that multiplies at memory speed where XLA's bf16 dot of a few rows d
 decode step's matmuls at batch 1 / 8 / 32: ~18 / 20 / 31 ms against ~31 / 35 / 42 ms), and each
 decode step attends over the filled cache slots only. Both accumulate bf16 products in float32;
 both are tested to decode the same tokens (docs/benchmarks.md has the figures).
-On CPU the KV cache is float32: XLA:CPU computes bf16 elementwise ops in float32, so writing a
-step's keys into a bf16 cache converts the whole cache twice per layer, while a float32 cache is
-updated in place. With XLA's dot, bf16 weights pay off for two rows and more (every matmul
+On CPU with XLA's ops the KV cache is float32: XLA:CPU computes bf16 elementwise ops in
+float32, so writing a step's keys into a bf16 cache converts the whole cache twice per layer,
+while a float32 cache is updated in place. With kernels "cpu" the cache is bf16 (the decode
+attention kernel writes it in place and reads half the bytes). With XLA's dot, bf16 weights pay off for two rows and more (every matmul
 accumulates in float32); XLA:CPU multiplies a single bf16 row ~5x slower than two, so one bf16
 row decodes as two (the AMX kernel has no such cliff).
 
@@ -230,8 +231,9 @@ def generate(params: Params, prompt: jax.Array, prompt_mask: jax.Array, key: jax
     """Prefill the left-padded prompt [B, P] (mask [B, P]), then decode up to max_new_tokens
     (a traced int32 <= max_new_bucket) new tokens per row; layer_loop "scan" or "unrolled",
     kernels "xla" or "cpu" (`choose_layer_loop`, `choose_kernels`).
-    The KV cache is float32 on CPU (module docstring) and in the activations' dtype (the
-    embedding's) elsewhere, which is lossless: keys and values are computed in that dtype.
+    The KV cache is float32 on CPU with kernels "xla" (module docstring) and in the
+    activations' dtype (the embedding's) otherwise, which is lossless: keys and values are
+    computed in that dtype.
     shardings: the mesh and rules that params, adapter, rows and cache are held in (None: one
     device); the outputs come back split by rows."""
     if shardings is not None:
@@ -263,7 +265,8 @@ def _generate(params, prompt, prompt_mask, key, max_new_tokens, lora, *, spec, d
     b, p = prompt.shape
     n = max_new_bucket
     on_cpu = _platform(shardings) == "cpu"
-    cache_dtype = jnp.float32 if on_cpu else params["embed_tokens"]["embedding"].dtype
+    dtype = params["embed_tokens"]["embedding"].dtype
+    cache_dtype = jnp.float32 if on_cpu and kernels == "xla" else dtype
     attn_mask = jnp.concatenate([prompt_mask, jnp.ones((b, n), bool)], axis=1)  # [B, S]
     make_cache, run_layers = init_cache, hidden_states
     if layer_loop == "unrolled":

@@ -74,22 +74,31 @@ def test_leading_dims_and_a_loop_invariant_packed_kernel():
 
 
 @needs_kernels
-@pytest.mark.parametrize("b,h,kv,d,s,limit", [(1, 9, 3, 64, 192, 60), (5, 8, 2, 128, 64, 64),
-                                              (3, 4, 4, 64, 32, 17), (2, 6, 3, 64, 16, 1)])
-def test_decode_attention_equals_attend(b, h, kv, d, s, limit):
-    """Rows left-padded by different amounts; slots from limit on hold garbage, which the
-    kernel must skip exactly as the mask does in `attend`."""
-    ks = jax.random.split(jax.random.PRNGKey(4), 3)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("b,h,kv,d,s,pos", [(1, 9, 3, 64, 192, 59), (5, 8, 2, 128, 64, 63),
+                                            (3, 4, 4, 64, 32, 16), (2, 6, 3, 64, 16, 0)])
+def test_decode_attention_equals_a_cache_write_and_attend(b, h, kv, d, s, pos, dtype):
+    """Rows left-padded by different amounts; slots after pos hold garbage, which the kernel must
+    skip exactly as the mask does in `attend`; the new key and value land in slot pos."""
+    ks = jax.random.split(jax.random.PRNGKey(4), 5)
     q = jax.random.normal(ks[0], (b, 1, h, d))
-    kt = 3 * jax.random.normal(ks[1], (b, kv, d, s))
-    v = jax.random.normal(ks[2], (b, kv, s, d))
-    pads = np.arange(b) * 3 % max(limit, 1)
+    kt = (3 * jax.random.normal(ks[1], (b, kv, d, s))).astype(dtype)
+    v = jax.random.normal(ks[2], (b, kv, s, d)).astype(dtype)
+    k_new = jax.random.normal(ks[3], (b, kv, d)).astype(dtype)
+    v_new = jax.random.normal(ks[4], (b, kv, d)).astype(dtype)
+    pads = np.arange(b) * 3 % max(pos, 1)
     slots = np.arange(s)[None, :]
-    mask = jnp.asarray((slots >= pads[:, None]) & (slots < limit))
-    mask = mask.at[:, limit - 1].set(True)  # every row sees its own token
-    got = jax.jit(cpu_kernels.decode_attention)(q[:, 0], kt, v, mask, jnp.int32(limit))
-    want = attend(q, kt, v, mask[:, None, :], keys_transposed=True)
-    np.testing.assert_allclose(np.asarray(got).reshape(b, 1, h * d), want, rtol=2e-5, atol=2e-6)
+    mask = jnp.asarray((slots >= pads[:, None]) & (slots <= pos))
+    mask = mask.at[:, pos].set(True)  # every row sees its own token
+    got, got_kt, got_v = jax.jit(cpu_kernels.decode_attention)(
+        q[:, 0], k_new, v_new, kt, v, mask, jnp.int32(pos))
+    want_kt = kt.at[:, :, :, pos].set(k_new)
+    want_v = v.at[:, :, pos, :].set(v_new)
+    np.testing.assert_array_equal(np.asarray(got_kt, np.float32), np.asarray(want_kt, np.float32))
+    np.testing.assert_array_equal(np.asarray(got_v, np.float32), np.asarray(want_v, np.float32))
+    f32 = lambda a: a.astype(jnp.float32)
+    want = attend(q, f32(want_kt), f32(want_v), mask[:, None, :], keys_transposed=True)
+    np.testing.assert_allclose(np.asarray(got).reshape(b, 1, h * d), want, rtol=2e-5, atol=1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -147,6 +156,7 @@ def test_sample_packs_the_weights_once_per_params(bf16_models, monkeypatch):
     from jaxrl.sampling import sampler
 
     spec, params = bf16_models["llama"]
+    sampler._PACKED.clear()  # other tests sampled from these params
     calls = []
     pack = sampler.pack_params
     monkeypatch.setattr(sampler, "pack_params", lambda p: calls.append(1) or pack(p))
