@@ -5,9 +5,9 @@ cpu_kernels.cc). The sampler uses them for bf16 weights in its unrolled CPU loop
 `matmul`: x (bf16) @ a kernel packed by `pack_kernel`, on Intel AMX tiles, products accumulated
 in float32 as `jaxrl.model.transformer.linear` asks of XLA (only the summation order differs).
 XLA:CPU multiplies a few bf16 rows by a bf16 kernel far below memory speed: a decode step of the
-default model's matmuls takes ~31 / 35 / 42 ms at batch 1 / 8 / 32, against ~18 / 20 / 31 ms
-here (`python tools/bench_decode_floor.py` times both). Kernels are packed once per `generate`
-call, before the decode loop.
+default model's matmuls takes ~31 / 32 / 39 ms at batch 1 / 8 / 32, against ~16 / 18 / 26 ms
+here (`python tools/bench_decode_floor.py` times both). The sampler packs the kernels once per
+params (`jaxrl.sampling.sampler.pack_params`).
 
 `decode_attention`: one new token per row: writes its key and value into the cache layer in
 place and attends over the slots filled so far (keys stored [B, K, D, S]), where XLA's batched

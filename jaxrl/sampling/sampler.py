@@ -33,18 +33,20 @@ Both loops run the same `decoder_layer`; both are tested against transformers' g
 Kernels (`kernels`): "xla" (XLA's ops only) or "cpu", jaxrl's CPU kernels
 (jaxrl/kernels/cpu.py), which the unrolled loop uses for bf16 weights on one CPU device with AMX
 ("auto" picks them wherever they are available): the layer kernels and the LM head are packed
-once per call, before the decode loop, into the matmul kernel's layout (replacing the per-layer
-slices, so the temporary memory is the same one copy of the weights); every matmul is then a
+into the matmul kernel's layout by `pack_params`, which `sample` runs once per params and keeps
+while they live (one packed copy of the weights, in place of the per-call slices); every matmul
+is then a
 custom call that multiplies at memory speed where XLA's bf16 dot of a few rows does not (a
-decode step's matmuls at batch 1 / 8 / 32: ~18 / 20 / 31 ms against ~31 / 35 / 42 ms), and each
+decode step's matmuls at batch 1 / 8 / 32: ~16 / 18 / 26 ms against ~31 / 32 / 39 ms), and each
 decode step attends over the filled cache slots only. Both accumulate bf16 products in float32;
 both are tested to decode the same tokens (docs/benchmarks.md has the figures).
+
 On CPU with XLA's ops the KV cache is float32: XLA:CPU computes bf16 elementwise ops in
 float32, so writing a step's keys into a bf16 cache converts the whole cache twice per layer,
 while a float32 cache is updated in place. With kernels "cpu" the cache is bf16 (the decode
-attention kernel writes it in place and reads half the bytes). With XLA's dot, bf16 weights pay off for two rows and more (every matmul
-accumulates in float32); XLA:CPU multiplies a single bf16 row ~5x slower than two, so one bf16
-row decodes as two (the AMX kernel has no such cliff).
+attention kernel writes it in place and reads half the bytes). With XLA's dot, bf16 weights pay
+off for two rows and more (every matmul accumulates in float32); XLA:CPU multiplies a single
+bf16 row ~5x slower than two, so one bf16 row decodes as two (the AMX kernel has no such cliff).
 
 Buckets: P and N are rounded up to powers of two (jaxrl/sampling/buckets.py) and the requested
 `max_new_tokens` is a traced scalar, so the number of compiled programs stays bounded; decoding
