@@ -1,7 +1,7 @@
 """Decode-step time of `jaxrl.sampling.sample` on the default model, split from the per-call
 fixed cost: a call of 128 new tokens and one of 16 (EOS ignored, best of 2 after a warm-up),
 step = (t128 - t16) / 112 and fixed = t16 - 16 * step (prefill, packing, copies, transfers).
-bf16 weights; each `kernels` setting given runs back to back in one process.
+bf16 weights (or --dtype float32); each `kernels` setting runs back to back in one process.
 
     python tools/bench_decode_step.py                         # batches 1, 8, 32; xla and cpu
     python tools/bench_decode_step.py --batches 32 --kernels cpu
@@ -19,6 +19,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--kernels", default="xla,cpu", help="of xla, cpu")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     args = parser.parse_args()
     import jax
     import jax.numpy as jnp
@@ -32,7 +33,7 @@ def main() -> None:
 
     model_dir = resolve_model_path("default")
     ids = chat_prompt_ids(load_tokenizer(model_dir), [{"role": "user", "content": PROMPT}])
-    spec, params = load_params(model_dir, dtype=jnp.bfloat16)
+    spec, params = load_params(model_dir, dtype=getattr(jnp, args.dtype))
     kernels = [k for k in args.kernels.split(",") if k != "cpu" or cpu_kernels.available()]
 
     def best(batch, new_tokens, kernel):

@@ -31,8 +31,10 @@ docs/benchmarks.md):
 Both loops run the same `decoder_layer`; both are tested against transformers' greedy generate.
 
 Kernels (`kernels`): "xla" (XLA's ops only) or "cpu", jaxrl's CPU kernels
-(jaxrl/kernels/cpu.py), which the unrolled loop uses for bf16 weights on one CPU device with AMX
-("auto" picks them wherever they are available): the layer kernels and the LM head are packed
+(jaxrl/kernels/cpu.py) in the unrolled loop on one CPU device with AMX ("auto" picks them for
+bf16 weights wherever they are available; fp32 weights take them only when asked, and then only
+the decode attention, over the fp32 cache, with XLA's matmuls): the layer kernels and the LM
+head are packed
 into the matmul kernel's layout by `pack_params`, which `sample` runs once per params and keeps
 while they live (one packed copy of the weights, in place of the per-call slices); every matmul
 is then a
@@ -133,18 +135,17 @@ def choose_kernels(params: Params, layer_loop: str, kernels: str = "auto",
     weights in the unrolled loop on one device when `jaxrl.kernels.cpu.available()`."""
     if kernels not in KERNELS:
         raise ValueError(f"kernels must be one of {KERNELS}; got {kernels!r}")
-    fits = layer_loop == "unrolled" and _bf16(params) and shardings is None
+    fits = layer_loop == "unrolled" and shardings is None
     if kernels == "cpu":
         if not fits:
-            raise ValueError("kernels 'cpu' need bf16 weights, the 'unrolled' layer loop and one "
-                             "device")
+            raise ValueError("kernels 'cpu' need the 'unrolled' layer loop and one device")
         if not cpu_kernels.available():
             raise ValueError("kernels 'cpu' are unavailable on this machine (the log says why; "
                              "see jaxrl/kernels/cpu.py)")
         return "cpu"
     if kernels == "xla":
         return "xla"
-    return "cpu" if fits and cpu_kernels.available() else "xla"
+    return "cpu" if fits and _bf16(params) and cpu_kernels.available() else "xla"
 
 
 def _record(c: _Carry, token: jax.Array, logprob: jax.Array, eos: jax.Array, pad_id: int):
@@ -276,7 +277,7 @@ def _generate(params, prompt, prompt_mask, key, max_new_tokens, lora, *, spec, d
         run_layers = functools.partial(
             unrolled_hidden_states, cpu_kernel_attention=kernels == "cpu",
             rope_table=rope_tables(jnp.arange(p + n, dtype=jnp.int32)[None], spec))
-        params, lora = _unstacked(params, lora, pack=kernels == "cpu")
+        params, lora = _unstacked(params, lora, pack=kernels == "cpu" and _bf16(params))
 
     def logits_after(tokens, positions, cache):  # [B, V] at each row's last input token
         h, cache = run_layers(params, tokens, positions, spec, attn_mask=attn_mask, cache=cache,
@@ -357,7 +358,7 @@ def sample(params: Params, spec: ModelSpec, prompts: Sequence[Sequence[int]], ke
                                                                                (tokens, mask))
     loop = choose_layer_loop(params, layer_loop)
     kernels = choose_kernels(params, loop, kernels, shardings)
-    if kernels == "cpu":
+    if kernels == "cpu" and _bf16(params):
         params = _packed_once(params)
     gen = generate(params, *rows, key, jnp.int32(cfg.max_new_tokens), lora, spec=spec,
                    decoding=Decoding.from_config(cfg), eos_ids=tuple(int(i) for i in eos_ids),

@@ -14,7 +14,7 @@ from jaxrl.hf.load import load_params
 from jaxrl.kernels import cpu as cpu_kernels
 from jaxrl.model.attention import attend
 from jaxrl.sampling import choose_kernels, sample
-from tests.sampling.test_sampler import PROMPTS, _random_lora
+from tests.sampling.test_sampler import PROMPTS, _random_lora, _teacher_forced
 from tests.tiny_models import make_model
 
 needs_kernels = pytest.mark.skipif(not cpu_kernels.available(),
@@ -104,8 +104,9 @@ def test_decode_attention_equals_a_cache_write_and_attend(b, h, kv, d, s, pos, d
 @pytest.fixture(scope="module")
 def bf16_models():
     out = {}
-    for name, (family, kw) in {"qwen2-tied": ("qwen2", dict(tie=True)),
-                               "llama": ("llama", {})}.items():
+    # hidden 256 over 4 heads: head dim 64, which the decode attention kernel takes
+    for name, (family, kw) in {"qwen2-tied": ("qwen2", dict(tie=True, hidden=256)),
+                               "llama": ("llama", dict(hidden=256))}.items():
         path = tempfile.mkdtemp()
         make_model(family, **kw).save_pretrained(path)
         out[name] = load_params(path, dtype=jnp.bfloat16)
@@ -115,17 +116,33 @@ def bf16_models():
 @needs_kernels
 @pytest.mark.parametrize("case", ["qwen2-tied", "llama"])
 @pytest.mark.parametrize("with_lora", [False, True])
-def test_sampler_with_cpu_kernels_equals_the_sampler_with_xla(bf16_models, case, with_lora):
+def test_sampler_with_cpu_kernels_equals_the_sampler_with_xla(bf16_models, case, with_lora,
+                                                              monkeypatch):
     spec, params = bf16_models[case]
+    traced = []
+    attention, matmul = cpu_kernels.decode_attention, cpu_kernels.matmul
+    monkeypatch.setattr(cpu_kernels, "decode_attention",
+                        lambda *a: traced.append("attention") or attention(*a))
+    monkeypatch.setattr(cpu_kernels, "matmul", lambda *a: traced.append("matmul") or matmul(*a))
+    jax.clear_caches()  # trace again, so the counters see which kernels the program calls
     lora = _random_lora(spec) if with_lora else None
     cfg = SamplingConfig(temperature=0.0, max_new_tokens=32)
     outs = {m: sample(params, spec, PROMPTS, jax.random.PRNGKey(0), cfg, lora=lora,
                       layer_loop="unrolled", kernels=m) for m in ("xla", "cpu")}
     np.testing.assert_array_equal(outs["cpu"].tokens, outs["xla"].tokens)
-    np.testing.assert_allclose(outs["cpu"].logprobs, outs["xla"].logprobs, atol=1e-4)
+    # bf16 activations: a summation order that differs in the last float32 bit flips some bf16
+    # roundings, which grow over the layers, so the two bf16 runs are compared by their distance
+    # to the same weights run in float32 (teacher-forced on the same tokens), not to each other
+    fp32 = jax.tree_util.tree_map(lambda a: a.astype(jnp.float32), params)
+    lora32 = None if lora is None else jax.tree_util.tree_map(
+        lambda a: a.astype(jnp.float32), lora)
+    want = _teacher_forced(fp32, spec, outs["xla"], 1.0, lora32)
+    err = {k: np.abs(o.logprobs - want).max() for k, o in outs.items()}
+    assert err["cpu"] <= 2 * err["xla"] + 1e-3, err
     alone = sample(params, spec, PROMPTS[:1], jax.random.PRNGKey(0), cfg, lora=lora,
                    layer_loop="unrolled", kernels="cpu")  # one row: no padding to two rows
     np.testing.assert_array_equal(alone.tokens[0], outs["cpu"].tokens[0])
+    assert {"attention", "matmul"} <= set(traced)
 
 
 def test_choose_kernels(bf16_models, monkeypatch):
@@ -135,8 +152,8 @@ def test_choose_kernels(bf16_models, monkeypatch):
     assert choose_kernels(params, "scan") == "xla"
     assert choose_kernels(params, "unrolled", "xla") == "xla"
     assert choose_kernels(params, "unrolled") == ("cpu" if cpu_kernels.available() else "xla")
-    with pytest.raises(ValueError, match="need bf16 weights"):
-        choose_kernels(fp32, "unrolled", "cpu")
+    with pytest.raises(ValueError, match="need the 'unrolled' layer loop"):
+        choose_kernels(params, "scan", "cpu")
     with pytest.raises(ValueError, match="one of"):
         choose_kernels(params, "unrolled", "mkl")
     monkeypatch.setenv("JAXRL_CPU_KERNELS", "0")
@@ -149,6 +166,24 @@ def test_a_failed_build_is_a_reason_not_a_crash(monkeypatch, tmp_path):
     monkeypatch.setenv("CXX", "false")  # a "compiler" that always fails
     assert cpu_kernels._unavailable_reason().startswith("could not build or load the kernel")
     assert not list((tmp_path / "kernels").glob("*.so"))
+
+
+@needs_kernels
+def test_fp32_weights_with_the_attention_kernel_decode_as_with_xla(bf16_models, monkeypatch):
+    """kernels="cpu" with fp32 weights: XLA's matmuls, the attention kernel over a fp32 cache."""
+    spec, params = bf16_models["qwen2-tied"]
+    fp32 = jax.tree_util.tree_map(lambda a: a.astype(jnp.float32), params)
+    traced = []
+    attention = cpu_kernels.decode_attention
+    monkeypatch.setattr(cpu_kernels, "decode_attention",
+                        lambda *a: traced.append(a[3].dtype) or attention(*a))
+    jax.clear_caches()
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=32)
+    outs = {k: sample(fp32, spec, PROMPTS, jax.random.PRNGKey(0), cfg, layer_loop="unrolled",
+                      kernels=k) for k in ("xla", "cpu")}
+    np.testing.assert_array_equal(outs["cpu"].tokens, outs["xla"].tokens)
+    np.testing.assert_allclose(outs["cpu"].logprobs, outs["xla"].logprobs, atol=1e-5)
+    assert traced and set(traced) == {jnp.dtype(jnp.float32)}  # the kernel ran, on a fp32 cache
 
 
 @needs_kernels
