@@ -53,6 +53,18 @@ void configure(int64_t r0, int64_t r1) {
   _tile_loadconfig(&cfg);
 }
 
+// Runs work(*job) on the calling thread and on up to tasks - 1 threads of XLA's intra-op pool;
+// each runner takes tasks from job->next until none are left and counts them in job->done.
+// Returns once all tasks are done (tasks still queued on busy pool threads find none left; the
+// shared_ptr keeps the job alive for them).
+template <typename J, typename Work>
+void share_out(ffi::ThreadPool& pool, const std::shared_ptr<J>& job, int64_t tasks, Work work) {
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), tasks) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job, work] { work(*job); });
+  work(*job);
+  while (job->done.load(std::memory_order_acquire) < tasks) _mm_pause();
+}
+
 struct Job {
   const uint16_t* x;  // [M, K]
   const uint16_t* w;  // [P, K/2, 64, 2]
@@ -177,11 +189,7 @@ ffi::Error Bf16Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffe
   job->panels = wd[0];
   job->blocks = (job->m + kBlockRows - 1) / kBlockRows;
   const int64_t tasks = job->panels * job->blocks;
-  if (tasks == 0) return ffi::Error::Success();
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), tasks) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { work(*job); });
-  work(*job);
-  while (job->done.load(std::memory_order_acquire) < tasks) _mm_pause();
+  if (tasks > 0) share_out(pool, job, tasks, work);
   return ffi::Error::Success();
 }
 
@@ -346,11 +354,7 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   job->q = q.typed_data(), job->k = k.typed_data(), job->v = v.typed_data();
   job->kt = kt->typed_data(), job->cv = cv->typed_data();
   job->mask = mask.typed_data(), job->out = out->typed_data();
-  const int64_t tasks = job->b * job->kv;
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), tasks) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { attn_work(*job); });
-  attn_work(*job);
-  while (job->done.load(std::memory_order_acquire) < tasks) _mm_pause();
+  share_out(pool, job, job->b * job->kv, attn_work<T>);
   return ffi::Error::Success();
 }
 
