@@ -1,6 +1,7 @@
 """CPU kernels for the sampler's decode loop, called from XLA as FFI custom calls (source:
-cpu_kernels.cc). The sampler uses them for bf16 weights in its unrolled CPU loop
-(`jaxrl.sampling.sampler`, kernels="cpu"); measurements in docs/benchmarks.md.
+cpu_kernels.cc). The sampler's unrolled CPU loop uses both for bf16 weights, and the attention
+alone for fp32 weights when asked (`jaxrl.sampling.sampler`, kernels="cpu"); measurements in
+docs/benchmarks.md.
 
 `matmul`: x (bf16) @ a kernel packed by `pack_kernel`, on Intel AMX tiles, products accumulated
 in float32 as `jaxrl.model.transformer.linear` asks of XLA (only the summation order differs).
@@ -47,6 +48,8 @@ TARGETS = {"jaxrl_bf16_matmul": "JaxrlBf16Matmul",
 ATTENTION_HEAD_DIMS = (64, 128)  # head dims decode_attention takes
 PANEL = 64  # output columns per packed panel
 K_MULTIPLE = 32  # the kernel consumes K in steps of 32
+COMPILE_FLAGS = ("-O3", "-march=native", "-mamx-tile", "-mamx-bf16", "-std=c++17", "-shared",
+                 "-fPIC", "-w")
 
 
 @struct.dataclass
@@ -106,7 +109,7 @@ def _build_dir() -> Path:
 def _library_path(compiler: str) -> Path:
     import jaxlib
     digest = hashlib.sha256(SOURCE.read_bytes())
-    for part in (jaxlib.__version__, compiler, _cpu_flags()):  # -march=native: per CPU
+    for part in (jaxlib.__version__, compiler, *COMPILE_FLAGS, _cpu_flags()):  # native: per CPU
         digest.update(part.encode())
     return _build_dir() / f"cpu_kernels-{digest.hexdigest()[:16]}.so"
 
@@ -124,8 +127,7 @@ def _compile(compiler: str, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         partial = Path(tmp) / out.name
-        cmd = [compiler, "-O3", "-march=native", "-mamx-tile", "-mamx-bf16", "-std=c++17",
-               "-shared", "-fPIC", "-w", f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o",
+        cmd = [compiler, *COMPILE_FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o",
                str(partial)]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:

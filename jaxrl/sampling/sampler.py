@@ -34,13 +34,11 @@ Kernels (`kernels`): "xla" (XLA's ops only) or "cpu", jaxrl's CPU kernels
 (jaxrl/kernels/cpu.py) in the unrolled loop on one CPU device with AMX ("auto" picks them for
 bf16 weights wherever they are available; fp32 weights take them only when asked, and then only
 the decode attention, over the fp32 cache, with XLA's matmuls): the layer kernels and the LM
-head are packed
-into the matmul kernel's layout by `pack_params`, which `sample` runs once per params and keeps
-while they live (one packed copy of the weights, in place of the per-call slices); every matmul
-is then a
-custom call that multiplies at memory speed where XLA's bf16 dot of a few rows does not (a
-decode step's matmuls at batch 1 / 8 / 32: ~16 / 18 / 26 ms against ~31 / 32 / 39 ms), and each
-decode step attends over the filled cache slots only. Both accumulate bf16 products in float32;
+head are packed into the matmul kernel's layout by `pack_params`, which `sample` runs once per
+params and keeps while they live (one packed copy of the weights, in place of the per-call
+slices); every matmul is then a custom call that multiplies at memory speed where XLA's bf16 dot
+of a few rows does not (a decode step's matmuls at batch 1 / 8 / 32: ~16 / 18 / 26 ms against
+~31 / 32 / 39 ms), and each decode step attends over the filled cache slots only. Both accumulate bf16 products in float32;
 both are tested to decode the same tokens (docs/benchmarks.md has the figures).
 
 On CPU with XLA's ops the KV cache is float32: XLA:CPU computes bf16 elementwise ops in
