@@ -38,8 +38,9 @@ head are packed into the matmul kernel's layout by `pack_params`, which `sample`
 params and keeps while they live (one packed copy of the weights, in place of the per-call
 slices); every matmul is then a custom call that multiplies at memory speed where XLA's bf16 dot
 of a few rows does not (a decode step's matmuls at batch 1 / 8 / 32: ~16 / 18 / 26 ms against
-~31 / 32 / 39 ms), and each decode step attends over the filled cache slots only. Both accumulate bf16 products in float32;
-both are tested to decode the same tokens (docs/benchmarks.md has the figures).
+~31 / 32 / 39 ms), and each decode step attends over the filled cache slots only. Both
+accumulate bf16 products in float32; both are tested to decode the same tokens
+(docs/benchmarks.md has the figures).
 
 On CPU with XLA's ops the KV cache is float32: XLA:CPU computes bf16 elementwise ops in
 float32, so writing a step's keys into a bf16 cache converts the whole cache twice per layer,
