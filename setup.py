@@ -26,6 +26,10 @@ setup(
         "transformers>=4.56",
         "safetensors>=0.4",
         "tokenizers>=0.21",
+        "jinja2>=3.1",  # chat templates (transformers imports it only when rendering one)
+        "huggingface_hub>=0.26",
+        "ml_dtypes>=0.4",
+        "pyarrow>=15",
         "z3-solver>=4.13",
         "datasets>=3.0",
         "tensorstore>=0.1.70",

@@ -16,3 +16,17 @@ def test_ci_runs_the_readme_test_command():
     (command,) = _fenced_commands(section)
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     assert command in [line.strip() for line in ci]
+
+
+def test_ci_runs_the_quickstart_from_a_bare_install():
+    """CI runs `jaxrl train` in a venv holding `pip install -e .` alone (no test extra, whose
+    torch brings packages the CLI needs) before the tests, and checks its run directory."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Quickstart", 1)[1].split("\n## ", 1)[0]
+    (command,) = _fenced_commands(section)
+    assert command == "pip install -e . && jaxrl train"
+    ci = (ROOT / ".ci" / "run").read_text()
+    bare, tests = ci.index('"$venv/bin/pip" install -q -e . '), ci.index("pip install -e '.[test]'")
+    assert bare < ci.index('"$venv/bin/jaxrl" train') < tests
+    for path in ("metrics.jsonl", "report.png", "adapter/adapter_config.json"):
+        assert path in ci
