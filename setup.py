@@ -16,7 +16,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["jaxrl", "jaxrl.*"]),
     package_data={"jaxrl": ["py.typed", "agents/roles/*.yaml", "envs/*.yaml",
-                            "model/presets/*.json", "kernels/*.cc"]},
+                            "model/presets/*.json"]},
     include_package_data=True,
     install_requires=[
         "jax>=0.4.35",

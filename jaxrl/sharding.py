@@ -31,7 +31,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxrl.config import ConfigError, MeshConfig
 from jaxrl.lora.lora import Lora
 from jaxrl.model.families import ModelSpec
-from jaxrl.model.kv_cache import KVCache, LayerKVCache
+from jaxrl.model.kv_cache import KVCache
 from jaxrl.model.params import declare, flatten, unflatten
 from jaxrl.quant.nf4 import QTensor
 
@@ -184,17 +184,10 @@ def state_shardings(rules: MeshRules, state, optimizer: optax.GradientTransforma
                          skipped=rules.replicated)
 
 
-def cache_shardings(rules: MeshRules, cache):
-    """Shardings for a stacked KVCache [L, B, K, S, D] or a LayerKVCache (keys [B, K, D, S])."""
-    if isinstance(cache, KVCache):
-        axes = ("layers", "batch", "kv_heads", "seq", "head_dim")
-        return cache.replace(k=rules.named(axes, cache.k.shape),
-                             v=rules.named(axes, cache.v.shape), index=rules.replicated)
-    assert isinstance(cache, LayerKVCache), type(cache)
-    kt = ("batch", "kv_heads", "head_dim", "seq")
-    v = ("batch", "kv_heads", "seq", "head_dim")
-    return cache.replace(kt=tuple(rules.named(kt, a.shape) for a in cache.kt),
-                         v=tuple(rules.named(v, a.shape) for a in cache.v),
+def cache_shardings(rules: MeshRules, cache: KVCache) -> KVCache:
+    """Shardings for a stacked KVCache [L, B, K, S, D]."""
+    axes = ("layers", "batch", "kv_heads", "seq", "head_dim")
+    return cache.replace(k=rules.named(axes, cache.k.shape), v=rules.named(axes, cache.v.shape),
                          index=rules.replicated)
 
 

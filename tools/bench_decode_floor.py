@@ -3,10 +3,6 @@ alone (30 layers of q/k/v, o, gate/up and down kernels, then the tied LM head), 
 no sampling, in a `fori_loop` of 64 steps inside one program; milliseconds per step, best of 3.
 Random weights; `jaxrl.sampling` does this work plus attention, norms, RoPE and sampling.
 
-Each case runs with XLA's dot and, for bf16 weights where jaxrl's CPU kernels are available,
-with the AMX matmul kernel (jaxrl/kernels/cpu.py), its kernels packed once outside the loop as
-the sampler packs them.
-
     python tools/bench_decode_floor.py                       # fp32 and bf16 at batch 1, 8, 32
     python tools/bench_decode_floor.py --cases bfloat16:2
 """
@@ -19,11 +15,9 @@ import time
 LAYERS, HIDDEN, MLP, KV, VOCAB, STEPS = 30, 576, 1536, 192, 49152, 64
 
 
-def step_ms(dtype_name: str, batch: int, head: bool, kernel: bool = False) -> float:
+def step_ms(dtype_name: str, batch: int, head: bool) -> float:
     import jax
     import jax.numpy as jnp
-
-    from jaxrl.kernels import cpu as cpu_kernels
 
     dtype = getattr(jnp, dtype_name)
     keys = iter(jax.random.split(jax.random.PRNGKey(0), 8 * LAYERS + 2))
@@ -34,18 +28,10 @@ def step_ms(dtype_name: str, batch: int, head: bool, kernel: bool = False) -> fl
     embedding = w(VOCAB, HIDDEN)
 
     def mm(x, kernel):  # as `jaxrl.model.transformer.linear`: float32 accumulation
-        if isinstance(kernel, cpu_kernels.PackedKernel):
-            return cpu_kernels.matmul(x, kernel).astype(x.dtype)
         return jnp.dot(x, kernel, preferred_element_type=jnp.float32).astype(x.dtype)
 
     @jax.jit
     def run(layers, embedding, x):
-        lm_head = None
-        if kernel:  # packed once, outside the loop, as the sampler does
-            layers = [{name: cpu_kernels.pack_kernel(k) for name, k in p.items()} for p in layers]
-            lm_head = cpu_kernels.pack_kernel(embedding.T)
-            layers, lm_head = jax.lax.optimization_barrier((layers, lm_head))
-
         def one(_, h):
             for p in layers:
                 kv = jnp.sum(mm(h, p["k"])) + jnp.sum(mm(h, p["v"]))  # keep k, v alive
@@ -54,9 +40,8 @@ def step_ms(dtype_name: str, batch: int, head: bool, kernel: bool = False) -> fl
                 h = h * jax.lax.rsqrt(jnp.mean(jnp.square(h.astype(jnp.float32)), -1,
                                                keepdims=True) + 1e-5).astype(h.dtype)
             if head:
-                logits = (cpu_kernels.matmul(h, lm_head) if kernel else
-                          jnp.einsum("be,ve->bv", h, embedding,
-                                     preferred_element_type=jnp.float32))
+                logits = jnp.einsum("be,ve->bv", h, embedding,
+                                    preferred_element_type=jnp.float32)
                 h = h + 1e-3 * logits[:, :HIDDEN].astype(h.dtype)
             return h
         return jax.lax.fori_loop(0, STEPS, one, x)
@@ -76,20 +61,14 @@ def main() -> None:
     parser.add_argument("--cases", default="float32:1,bfloat16:1,float32:8,bfloat16:8,"
                         "float32:32,bfloat16:32", help="DTYPE:BATCH, ...")
     args = parser.parse_args()
-    from jaxrl.kernels import cpu as cpu_kernels
-
-    print("| weights | batch | matmul | layers' matmuls (ms/step) | + LM head (ms/step) | "
-          "tok/s bound |")
-    print("| --- | ---: | --- | ---: | ---: | ---: |")
+    print("| weights | batch | layers' matmuls (ms/step) | + LM head (ms/step) | tok/s bound |")
+    print("| --- | ---: | ---: | ---: | ---: |")
     for case in args.cases.split(","):
         dtype, batch = case.split(":")
-        kernels = [False] + ([True] if dtype == "bfloat16" and cpu_kernels.available() else [])
-        for kernel in kernels:
-            layers = step_ms(dtype, int(batch), False, kernel)
-            full = step_ms(dtype, int(batch), True, kernel)
-            name = "jaxrl AMX" if kernel else "XLA dot"
-            print(f"| {dtype} | {batch} | {name} | {layers:.1f} | {full:.1f} | "
-                  f"{int(batch) * 1e3 / full:.0f} |", flush=True)
+        layers = step_ms(dtype, int(batch), False)
+        full = step_ms(dtype, int(batch), True)
+        print(f"| {dtype} | {batch} | {layers:.1f} | {full:.1f} | {int(batch) * 1e3 / full:.0f} |",
+              flush=True)
     print(f"load average {os.getloadavg()[0]:.2f}")
 
 

@@ -1,10 +1,11 @@
 """Decode-step time of `jaxrl.sampling.sample` on the default model, split from the per-call
 fixed cost: a call of 128 new tokens and one of 16 (EOS ignored, best of 2 after a warm-up),
-step = (t128 - t16) / 112 and fixed = t16 - 16 * step (prefill, packing, copies, transfers).
-bf16 weights (or --dtype float32); each `kernels` setting runs back to back in one process.
+step = (t128 - t16) / 112 and fixed = t16 - 16 * step (prefill, copies, transfers).
+bf16 weights (or --dtype float32); each layer loop (jaxrl/sampling/layer_loops.py) runs back to
+back in one process.
 
-    python tools/bench_decode_step.py                         # batches 1, 8, 32; xla and cpu
-    python tools/bench_decode_step.py --batches 32 --kernels cpu
+    python tools/bench_decode_step.py                         # batches 1, 8, 32; both loops
+    python tools/bench_decode_step.py --batches 32 --loops scan
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from bench_sampler import PROMPT
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", default="1,8,32")
-    parser.add_argument("--kernels", default="xla,cpu", help="of xla, cpu")
+    parser.add_argument("--loops", default="unrolled,scan", help="of unrolled, scan")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     args = parser.parse_args()
     import jax
@@ -28,18 +29,16 @@ def main() -> None:
     from jaxrl.hf.default_model import resolve_model_path
     from jaxrl.hf.load import load_params
     from jaxrl.hf.tokenizer import chat_prompt_ids, load_tokenizer
-    from jaxrl.kernels import cpu as cpu_kernels
     from jaxrl.sampling import sample
 
     model_dir = resolve_model_path("default")
     ids = chat_prompt_ids(load_tokenizer(model_dir), [{"role": "user", "content": PROMPT}])
     spec, params = load_params(model_dir, dtype=getattr(jnp, args.dtype))
-    kernels = [k for k in args.kernels.split(",") if k != "cpu" or cpu_kernels.available()]
 
-    def best(batch, new_tokens, kernel):
+    def best(batch, new_tokens, loop):
         cfg = SamplingConfig(temperature=0.0, max_new_tokens=new_tokens)
         run = lambda: sample(params, spec, [ids] * batch, jax.random.PRNGKey(0), cfg,
-                             eos_ids=(), kernels=kernel)
+                             eos_ids=(), layer_loop=loop)
         run()
         times = []
         for _ in range(2):
@@ -48,13 +47,13 @@ def main() -> None:
             times.append(time.perf_counter() - start)
         return min(times)
 
-    print("| batch | kernels | step (ms) | fixed per call (ms) | load |")
+    print("| batch | layer loop | step (ms) | fixed per call (ms) | load |")
     print("| ---: | --- | ---: | ---: | ---: |")
     for batch in (int(b) for b in args.batches.split(",")):
-        for kernel in kernels:
-            short, long = best(batch, 16, kernel), best(batch, 128, kernel)
+        for loop in args.loops.split(","):
+            short, long = best(batch, 16, loop), best(batch, 128, loop)
             step = (long - short) / 112
-            print(f"| {batch} | {kernel} | {step * 1e3:.1f} | {(short - 16 * step) * 1e3:.0f} | "
+            print(f"| {batch} | {loop} | {step * 1e3:.1f} | {(short - 16 * step) * 1e3:.0f} | "
                   f"{os.getloadavg()[0]:.1f} |", flush=True)
 
 

@@ -1,6 +1,6 @@
-"""Sampler throughput: jaxrl (fp32 weights, and bf16 weights with XLA's ops and, where the CPU
-has AMX, with jaxrl's CPU kernels) against transformers `generate` (torch, fp32) on the
-same model, prompt and settings, in one run.
+"""Sampler throughput: jaxrl (fp32 weights, and bf16 weights with each layer loop of
+jaxrl/sampling/layer_loops.py) against transformers `generate` (torch, fp32) on the same model,
+prompt and settings, in one run.
 
 Every configuration decodes a fixed number of new tokens with EOS ignored from one chat prompt
 repeated over the batch; tokens per second = batch * new tokens / wall time of one call, after
@@ -44,7 +44,7 @@ def _best_rate(fn, batch, new_tokens, repeats):
     return batch * new_tokens / best
 
 
-def _jaxrl_runner(params, spec, prompt_ids, batch, temperature, new_tokens, kernels="xla"):
+def _jaxrl_runner(params, spec, prompt_ids, batch, temperature, new_tokens, loop="auto"):
     import jax
 
     from jaxrl.config import SamplingConfig
@@ -54,7 +54,7 @@ def _jaxrl_runner(params, spec, prompt_ids, batch, temperature, new_tokens, kern
 
     def run():
         out = sample(params, spec, [prompt_ids] * batch, jax.random.PRNGKey(0), cfg, eos_ids=(),
-                     kernels=kernels)
+                     layer_loop=loop)
         assert out.mask.all(), "EOS is ignored, so every row decodes every token"
     return run
 
@@ -84,7 +84,6 @@ def main() -> None:
     from jaxrl.hf.default_model import resolve_model_path
     from jaxrl.hf.load import load_params
     from jaxrl.hf.tokenizer import chat_prompt_ids, load_tokenizer
-    from jaxrl.kernels import cpu as cpu_kernels
 
     model_dir = resolve_model_path(args.model)
     prompt_ids = chat_prompt_ids(load_tokenizer(model_dir), [{"role": "user", "content": PROMPT}])
@@ -94,18 +93,18 @@ def main() -> None:
     hf.generation_config.eos_token_id = None  # EOS ignored, as for jaxrl (eos_ids=())
     print(f"model {model_dir.name}, prompt {len(prompt_ids)} tokens, {args.new_tokens} new "
           f"tokens, torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f}")
-    kernels = ["xla"] + (["cpu"] if cpu_kernels.available() else [])
-    bf16 = "".join(f" jaxrl bf16 {k} | ratio |" for k in kernels)
+    loops = ["unrolled", "scan"]
+    bf16 = "".join(f" jaxrl bf16 {k} | ratio |" for k in loops)
     print(f"| batch | mode | transformers fp32 | jaxrl fp32 | ratio |{bf16} load |")
-    print("| ---: | --- | ---: | ---: | ---: |" + " ---: | ---: |" * len(kernels) + " ---: |")
+    print("| ---: | --- | ---: | ---: | ---: |" + " ---: | ---: |" * len(loops) + " ---: |")
     for batch in (int(b) for b in args.batches.split(",")):
         for mode in args.modes.split(","):
             t = MODES[mode]
             rate = lambda run: _best_rate(run, batch, args.new_tokens, args.repeats)
             hf_rate = rate(_hf_runner(hf, prompt_ids, batch, t, args.new_tokens))
             r32 = rate(_jaxrl_runner(p32, spec, prompt_ids, batch, t, args.new_tokens))
-            r16 = [rate(_jaxrl_runner(p16, spec, prompt_ids, batch, t, args.new_tokens, k))
-                   for k in kernels]
+            r16 = [rate(_jaxrl_runner(p16, spec, prompt_ids, batch, t, args.new_tokens, loop))
+                   for loop in loops]
             cells = "".join(f" {r:.1f} | {r / hf_rate:.2f}x |" for r in r16)
             print(f"| {batch} | {mode} | {hf_rate:.1f} | {r32:.1f} | {r32 / hf_rate:.2f}x |{cells} "
                   f"{os.getloadavg()[0]:.1f} |", flush=True)

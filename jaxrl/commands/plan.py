@@ -169,14 +169,14 @@ def lower_sampler(cfg, spec, rules, run: AbstractRun):
     import jax.numpy as jnp
 
     from jaxrl.sampling.buckets import bucket
-    from jaxrl.sampling.sampler import choose_layer_loop, generate
+    from jaxrl.sampling.layer_loops import choose_layer_loop
+    from jaxrl.sampling.sampler import generate
     from jaxrl.sampling.sampling_fns import Decoding
 
     shape = (run.rows, bucket(cfg.data.max_prompt_tokens))
     sds = jax.ShapeDtypeStruct
     platform = rules.mesh.devices.flat[0].platform
-    # off the local backend (a TPU topology) "auto" always takes the layer scan
-    loop = choose_layer_loop(run.params) if platform == jax.default_backend() else "scan"
+    loop = choose_layer_loop(run.params, platform=platform)
     return generate.lower(
         run.params, sds(shape, jnp.int32, sharding=rules.rows(shape)),
         sds(shape, jnp.bool_, sharding=rules.rows(shape)),

@@ -1,9 +1,8 @@
 """The decoder forward pass: a pure function of params, tokens and positions.
 
-Two ways to run the layers share `decoder_layer`: `hidden_states` scans over the stacked layer
-weights (training, log-probs, and decoding wherever weights are quantized or the backend is not
-a CPU), and `unrolled_hidden_states` unrolls the layers in Python over a per-layer cache (the
-sampler's fast path for dense weights on CPU; see jaxrl/sampling/sampler.py for the measurements).
+`hidden_states` scans over the stacked layer weights with `lax.scan` (training, log-probs and
+decoding); `decoder_layer` is the one layer every caller runs (the sampler's CPU layer loop,
+jaxrl/sampling/layer_loops.py, runs it too).
 
 Glossary: B batch, T tokens in this call, S key slots (T without a cache, the cache length with
 one), E hidden size, F MLP size, H/K query/kv heads, D head dim, V vocab, L layers.
@@ -15,11 +14,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxrl.kernels import cpu as cpu_kernels
 from jaxrl.lora.lora import Lora, lora_delta
 from jaxrl.model.attention import apply_rope, attend, rope_tables
 from jaxrl.model.families import ModelSpec
-from jaxrl.model.kv_cache import KVCache, LayerKVCache
+from jaxrl.model.kv_cache import KVCache
 from jaxrl.model.params import LINEAR_NAMES
 from jaxrl.quant.nf4 import QTensor, as_dense
 
@@ -46,13 +44,9 @@ def embed(table: jax.Array, tokens: jax.Array) -> jax.Array:
 
 def linear(x: jax.Array, p: Params) -> jax.Array:
     """x [..., in] @ kernel [in, out] (+ bias), accumulated in float32; the kernel may be a
-    quantized QTensor or, in the sampler's CPU loop, a `jaxrl.kernels.cpu.PackedKernel`."""
-    kernel = p["kernel"]
-    if isinstance(kernel, cpu_kernels.PackedKernel):
-        y = cpu_kernels.matmul(x, kernel)
-    else:
-        y = jnp.einsum("...i,io->...o", x, as_dense(kernel, x.dtype),
-                       preferred_element_type=jnp.float32)
+    quantized QTensor, dequantized here (so inside the layer scan, one layer at a time)."""
+    y = jnp.einsum("...i,io->...o", x, as_dense(p["kernel"], x.dtype),
+                   preferred_element_type=jnp.float32)
     if "bias" in p:
         y = y + p["bias"]
     return y.astype(x.dtype)
@@ -151,84 +145,8 @@ def hidden_states(params: Params, tokens: jax.Array, positions: jax.Array, spec:
     return h, KVCache(k=kv_out[0], v=kv_out[1], index=start + t)
 
 
-def _transposed_key_attention(mask: jax.Array, cache_kt: jax.Array, cache_v: jax.Array,
-                              start: jax.Array, kernel: bool):
-    """Attention over one `LayerKVCache` layer, this call's keys written at slot start; computed
-    in the cache dtype. kernel: one-token calls write the cache and attend in
-    `jaxrl.kernels.cpu.decode_attention` where it takes the shapes, and other calls attend in
-    float32 (the kernel's precision) whatever the cache dtype."""
-    def attention(q, k, v):
-        b, t, h, d = q.shape
-        if kernel and t == 1 and cpu_kernels.attention_supported(cache_kt):
-            out, kt, cv = cpu_kernels.decode_attention(q[:, 0], k[:, 0], v[:, 0], cache_kt,
-                                                       cache_v, mask[:, 0], start)
-            return out.reshape(b, 1, h * d).astype(q.dtype), (kt, cv)
-        kt = k.transpose(0, 2, 3, 1).astype(cache_kt.dtype)  # [B, K, D, T]
-        v = v.transpose(0, 2, 1, 3).astype(cache_v.dtype)  # [B, K, T, D]
-        kt = jax.lax.dynamic_update_slice(cache_kt, kt, (0, 0, 0, start))
-        v = jax.lax.dynamic_update_slice(cache_v, v, (0, 0, start, 0))
-        dtype = jnp.float32 if kernel else kt.dtype
-        out = attend(q.astype(dtype), kt.astype(dtype), v.astype(dtype), mask,
-                     keys_transposed=True)
-        return out.astype(q.dtype), (kt, v)
-    return attention
-
-
-def unstack_layers(tree: Params) -> tuple[Params, ...]:
-    """Per-layer trees of a tree whose leaves are stacked over layers (QTensors included)."""
-    n = jax.tree_util.tree_leaves(tree)[0].shape[0]
-    return tuple(jax.tree_util.tree_map(lambda a: a[i], tree) for i in range(n))
-
-
-def unrolled_hidden_states(params: Params, tokens: jax.Array, positions: jax.Array,
-                           spec: ModelSpec, *, attn_mask: jax.Array, cache: LayerKVCache,
-                           lora: Lora | None = None, cpu_kernel_attention: bool = False,
-                           rope_table: tuple[jax.Array, jax.Array] | None = None):
-    """`hidden_states` with a `LayerKVCache` and the layers unrolled in Python, for decoding
-    (no dropout, no remat). params["layers"] and lora.weights["layers"] hold one tree per layer
-    (`unstack_layers`); their kernels may be `jaxrl.kernels.cpu.PackedKernel`s.
-    cpu_kernel_attention: one-token calls attend with `jaxrl.kernels.cpu.decode_attention`.
-    rope_table: `rope_tables` of positions [1, S] = 0..S-1, computed once before a decode loop;
-    each call then looks its positions up instead of evaluating cos and sin, which XLA:CPU fuses
-    into every layer's consumers and evaluates per head and layer (~1.5M per step at batch 32).
-    Returns final-normed hidden states [B, T, E] and the cache.
-
-    Dense kernels only. Inside a decode loop each layer's weights are loop-invariant, and so
-    would be the dequantization of an NF4 kernel: XLA hoists it out of the loop and holds every
-    layer dense at once. In the scan of `hidden_states` the layer index varies, which keeps
-    dequantization per layer, so quantized params must decode through `hidden_states`.
-    """
-    quantized = [leaf for leaf in jax.tree_util.tree_leaves(
-        params["layers"], is_leaf=lambda x: isinstance(x, QTensor)) if isinstance(leaf, QTensor)]
-    if quantized:
-        raise ValueError("unrolled_hidden_states takes dense kernels only; NF4/int4 kernels "
-                         "must run through hidden_states, whose layer scan keeps dequantization "
-                         "per layer inside a decode loop")
-    b, t = tokens.shape
-    start = cache.index
-    mask = attention_mask(attn_mask, t, start)
-    rope = (rope_tables(positions, spec) if rope_table is None
-            else tuple(table[0][positions] for table in rope_table))
-    h = embed(params["embed_tokens"]["embedding"], tokens)  # [B, T, E]
-    kts, vs = [], []
-    adapters = [None] * spec.num_layers if lora is None else lora.weights["layers"]
-    for lp, ll, cache_kt, cache_v in zip(params["layers"], adapters, cache.kt, cache.v):
-        attention = _transposed_key_attention(mask, cache_kt, cache_v, start,
-                                              cpu_kernel_attention)
-        h, (kt, v) = decoder_layer(h, lp, projector(lp, ll, lora, None), rope, spec, attention)
-        kts.append(kt)
-        vs.append(v)
-    h = rms_norm(h, params["norm"]["scale"], spec.rms_norm_eps)
-    return h, LayerKVCache(kt=tuple(kts), v=tuple(vs), index=start + t)
-
-
 def lm_logits(params: Params, h: jax.Array, spec: ModelSpec) -> jax.Array:
-    """Logits [..., V] in float32 from hidden states [..., E]. A packed head
-    (`jaxrl.kernels.cpu.PackedKernel` in params["lm_head"], which the sampler's CPU loop puts
-    there for tied embeddings too) takes precedence."""
-    head = params.get("lm_head", {}).get("kernel")
-    if isinstance(head, cpu_kernels.PackedKernel):
-        return cpu_kernels.matmul(h, head)
+    """Logits [..., V] in float32 from hidden states [..., E]."""
     if spec.tie_word_embeddings:
         w = params["embed_tokens"]["embedding"]  # [V, E]
         return jnp.einsum("...e,ve->...v", h, w.astype(h.dtype), preferred_element_type=jnp.float32)

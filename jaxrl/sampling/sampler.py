@@ -14,40 +14,12 @@ top-k / top-p / min-p filtering (what `jaxrl.rl.logprobs.token_logprobs(..., tem
 computes, so the GRPO ratio starts at 1); for T = 0 (greedy) under the untempered
 log_softmax(logits).
 
-Layer loops (`layer_loop`), chosen per backend and weight format by "auto" (measurements in
-docs/benchmarks.md):
-  "scan"      `hidden_states`: `lax.scan` over the stacked layers and a [L, B, K, S, D] cache.
-              NF4 / int4 kernels are dequantized per layer inside the scan, so one layer is dense
-              at a time even inside the decode loop (tests/sampling/test_memory.py checks the
-              compiled program). Used for quantized params on every backend and for all params
-              off CPU.
-  "unrolled"  `unrolled_hidden_states`: the layers unrolled in Python over per-layer weights and
-              a per-layer cache with keys stored [B, K, D, S]. Used for dense params on CPU, where
-              a scan copies every layer's weights and cache out of their stacks on every step.
-              The per-layer weights are sliced once per call, before the decode loop, behind an
-              optimization barrier (XLA would sink the slices into the loop body and copy the
-              weights every step again); temporary memory: one copy of the dense layer weights.
-              Quantized kernels are refused: their dequantization would be hoisted the same way.
-Both loops run the same `decoder_layer`; both are tested against transformers' greedy generate.
-
-Kernels (`kernels`): "xla" (XLA's ops only) or "cpu", jaxrl's CPU kernels
-(jaxrl/kernels/cpu.py) in the unrolled loop on one CPU device with AMX ("auto" picks them for
-bf16 weights wherever they are available; fp32 weights take them only when asked, and then only
-the decode attention, over the fp32 cache, with XLA's matmuls): the layer kernels and the LM
-head are packed into the matmul kernel's layout by `pack_params`, which `sample` runs once per
-params and keeps while they live (one packed copy of the weights, in place of the per-call
-slices); every matmul is then a custom call that multiplies at memory speed where XLA's bf16 dot
-of a few rows does not (a decode step's matmuls at batch 1 / 8 / 32: ~16 / 18 / 26 ms against
-~31 / 32 / 39 ms), and each decode step attends over the filled cache slots only. Both
-accumulate bf16 products in float32; both are tested to decode the same tokens
-(docs/benchmarks.md has the figures).
-
-On CPU with XLA's ops the KV cache is float32: XLA:CPU computes bf16 elementwise ops in
-float32, so writing a step's keys into a bf16 cache converts the whole cache twice per layer,
-while a float32 cache is updated in place. With kernels "cpu" the cache is bf16 (the decode
-attention kernel writes it in place and reads half the bytes). With XLA's dot, bf16 weights pay
-off for two rows and more (every matmul accumulates in float32); XLA:CPU multiplies a single
-bf16 row ~5x slower than two, so one bf16 row decodes as two (the AMX kernel has no such cliff).
+Layer loops (`layer_loop`, jaxrl/sampling/layer_loops.py): "scan", the model's `lax.scan` over
+the stacked layers (NF4 dequantized per layer inside it; the only loop on GPU and TPU), or on
+CPU for dense params "unrolled"; "auto" chooses. On CPU the KV cache is float32: XLA:CPU computes
+bf16 elementwise ops in float32, so writing a step's keys into a bf16 cache would convert the
+whole cache twice per layer, while a float32 cache is updated in place. Timings are in
+docs/benchmarks.md.
 
 Buckets: P and N are rounded up to powers of two (jaxrl/sampling/buckets.py) and the requested
 `max_new_tokens` is a traced scalar, so the number of compiled programs stays bounded; decoding
@@ -59,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import weakref
 from collections.abc import Callable, Sequence
 
 import jax
@@ -69,24 +40,18 @@ from flax import struct
 
 from jaxrl import distributed
 from jaxrl.config import SamplingConfig
-from jaxrl.kernels import cpu as cpu_kernels
 from jaxrl.lora.lora import Lora
 from jaxrl.model.families import ModelSpec
 from jaxrl.model.attention import rope_tables
-from jaxrl.model.kv_cache import init_cache, init_layer_cache
-from jaxrl.model.params import LINEAR_NAMES
-from jaxrl.model.transformer import (Params, hidden_states, lm_logits, positions_from_mask,
-                                     unrolled_hidden_states, unstack_layers)
-from jaxrl.quant.nf4 import QTensor
+from jaxrl.model.kv_cache import init_cache
+from jaxrl.model.transformer import Params, hidden_states, lm_logits, positions_from_mask
 from jaxrl.sampling.buckets import bucket, left_pad
+from jaxrl.sampling.layer_loops import (choose_layer_loop, init_layer_cache, layer_cache_shardings,
+                                        min_rows, unrolled_hidden_states, unstacked)
 from jaxrl.sampling.sampling_fns import Decoding, next_token
 from jaxrl.sampling.stop import cut_at_stop
 from jaxrl.sharding import (MeshRules, cache_shardings, constrain, lora_shardings,
                             param_shardings, row_shardings)
-
-LAYER_LOOPS = ("auto", "scan", "unrolled")
-KERNELS = ("auto", "xla", "cpu")
-
 
 @struct.dataclass
 class Generation:
@@ -106,47 +71,6 @@ class _Carry:
     out: Generation  # out.stopped marks the finished rows
 
 
-def is_quantized(params: Params) -> bool:
-    leaves = jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, QTensor))
-    return any(isinstance(leaf, QTensor) for leaf in leaves)
-
-
-def choose_layer_loop(params: Params, layer_loop: str = "auto") -> str:
-    """"scan" or "unrolled" (module docstring); "auto" takes "unrolled" for dense params on CPU."""
-    if layer_loop not in LAYER_LOOPS:
-        raise ValueError(f"layer_loop must be one of {LAYER_LOOPS}; got {layer_loop!r}")
-    if layer_loop == "unrolled" and is_quantized(params):
-        raise ValueError("layer_loop 'unrolled' needs dense kernels; quantized (NF4/int4) params "
-                         "decode with 'scan', which keeps dequantization per layer")
-    if layer_loop != "auto":
-        return layer_loop
-    dense_on_cpu = jax.default_backend() == "cpu" and not is_quantized(params)
-    return "unrolled" if dense_on_cpu else "scan"
-
-
-def _bf16(params: Params) -> bool:
-    return params["embed_tokens"]["embedding"].dtype == jnp.bfloat16
-
-
-def choose_kernels(params: Params, layer_loop: str, kernels: str = "auto",
-                   shardings: MeshRules | None = None) -> str:
-    """"xla" or "cpu" (module docstring) for the chosen layer loop; "auto" takes "cpu" for bf16
-    weights in the unrolled loop on one device when `jaxrl.kernels.cpu.available()`."""
-    if kernels not in KERNELS:
-        raise ValueError(f"kernels must be one of {KERNELS}; got {kernels!r}")
-    fits = layer_loop == "unrolled" and shardings is None
-    if kernels == "cpu":
-        if not fits:
-            raise ValueError("kernels 'cpu' need the 'unrolled' layer loop and one device")
-        if not cpu_kernels.available():
-            raise ValueError("kernels 'cpu' are unavailable on this machine (the log says why; "
-                             "see jaxrl/kernels/cpu.py)")
-        return "cpu"
-    if kernels == "xla":
-        return "xla"
-    return "cpu" if fits and _bf16(params) and cpu_kernels.available() else "xla"
-
-
 def _record(c: _Carry, token: jax.Array, logprob: jax.Array, eos: jax.Array, pad_id: int):
     """The carry after writing token [B] and logprob [B] into column c.t."""
     live = ~c.out.stopped
@@ -158,83 +82,16 @@ def _record(c: _Carry, token: jax.Array, logprob: jax.Array, eos: jax.Array, pad
     return c.replace(t=c.t + 1, last=token, out=out)
 
 
-def _packed(params: Params) -> Params:
-    """params with every layer's linear kernels and the LM head (the embedding, transposed, when
-    tied) in the AMX kernel's layout."""
-    def pack_layer(lp):
-        return {name: ({**sub, "kernel": cpu_kernels.pack_kernel(sub["kernel"])}
-                       if name in LINEAR_NAMES else sub) for name, sub in lp.items()}
-    head = (params["embed_tokens"]["embedding"].T if "lm_head" not in params
-            else params["lm_head"]["kernel"])
-    return {**params, "layers": tuple(pack_layer(lp) for lp in params["layers"]),
-            "lm_head": {"kernel": cpu_kernels.pack_kernel(head)}}
-
-
-@jax.jit
-def pack_params(params: Params) -> Params:
-    """params for kernels "cpu": the layer stack split into per-layer trees, every linear kernel
-    and the LM head packed for `jaxrl.kernels.cpu.matmul`; `generate` takes them as they are.
-    `sample` packs once per params and keeps the result while they live (`_packed_once`)."""
-    return _packed({**params, "layers": unstack_layers(params["layers"])})
-
-
-_PACKED: dict = {}  # the last params `sample` packed: {"leaves": weakrefs, "packed": params}
-
-
-def _packed_once(params: Params) -> Params:
-    """`pack_params(params)`, reused while the same arrays are passed again (a GRPO run samples
-    from one frozen base many times); dropped when they are freed. Holds one packed copy."""
-    leaves = jax.tree_util.tree_leaves(params)
-    refs = _PACKED.get("leaves", ())
-    if len(refs) == len(leaves) and all(r() is x for r, x in zip(refs, leaves)):
-        return _PACKED["packed"]
-    _PACKED.clear()
-    packed, token = pack_params(params), object()
-    _PACKED.update(leaves=[weakref.ref(x) for x in leaves], packed=packed, token=token)
-    weakref.finalize(leaves[0], _drop_packed, token)
-    return packed
-
-
-def _drop_packed(token: object) -> None:
-    if _PACKED.get("token") is token:
-        _PACKED.clear()
-
-
-def _unstacked(params: Params, lora: Lora | None, pack: bool):
-    """params and lora with their layer stacks split into per-layer trees (and with pack, the
-    kernels packed for the CPU matmul kernel, unless `pack_params` did it already), materialized
-    before the decode loop: the optimization barrier keeps XLA from sinking the slices into the
-    loop body, where they would copy every layer's weights out of the stacks on every step."""
-    if not isinstance(params["layers"], tuple):  # else packed by pack_params
-        params = {**params, "layers": unstack_layers(params["layers"])}
-        if pack:
-            params = _packed(params)
-    adapters = None if lora is None else unstack_layers(lora.weights["layers"])
-    layers, adapters = jax.lax.optimization_barrier(((params["layers"], params.get("lm_head")),
-                                                     adapters))
-    params = {**params, "layers": layers[0]} | ({"lm_head": layers[1]} if pack else {})
-    return params, (None if lora is None else lora.replace(weights={"layers": adapters}))
-
-
-def _min_rows(params: Params, layer_loop: str, kernels: str) -> int:
-    """XLA:CPU multiplies one bf16 row by a kernel 5-8x slower than two rows (60 [576, 1536]
-    kernels: 139 ms against 26 ms), so the unrolled loop decodes a single bf16 row as two unless
-    jaxrl's CPU kernels do the matmuls."""
-    return 2 if layer_loop == "unrolled" and _bf16(params) and kernels == "xla" else 1
-
-
 @functools.partial(jax.jit, static_argnames=(
-    "spec", "decoding", "eos_ids", "max_new_bucket", "layer_loop", "shardings", "kernels"))
+    "spec", "decoding", "eos_ids", "max_new_bucket", "layer_loop", "shardings"))
 def generate(params: Params, prompt: jax.Array, prompt_mask: jax.Array, key: jax.Array,
              max_new_tokens: jax.Array, lora: Lora | None = None, *, spec: ModelSpec,
              decoding: Decoding, eos_ids: tuple[int, ...], max_new_bucket: int,
-             layer_loop: str, shardings: MeshRules | None = None,
-             kernels: str = "xla") -> Generation:
+             layer_loop: str, shardings: MeshRules | None = None) -> Generation:
     """Prefill the left-padded prompt [B, P] (mask [B, P]), then decode up to max_new_tokens
-    (a traced int32 <= max_new_bucket) new tokens per row; layer_loop "scan" or "unrolled",
-    kernels "xla" or "cpu" (`choose_layer_loop`, `choose_kernels`).
-    The KV cache is float32 on CPU with kernels "xla" (module docstring) and in the
-    activations' dtype (the embedding's) otherwise, which is lossless: keys and values are
+    (a traced int32 <= max_new_bucket) new tokens per row; layer_loop "scan" or "unrolled"
+    (`choose_layer_loop`). The KV cache is float32 on CPU (module docstring) and in the
+    activations' dtype (the embedding's) elsewhere, which is lossless: keys and values are
     computed in that dtype.
     shardings: the mesh and rules that params, adapter, rows and cache are held in (None: one
     device); the outputs come back split by rows."""
@@ -245,12 +102,12 @@ def generate(params: Params, prompt: jax.Array, prompt_mask: jax.Array, key: jax
         prompt, prompt_mask = constrain((prompt, prompt_mask),
                                         row_shardings(shardings, (prompt, prompt_mask)))
     rows = prompt.shape[0]
-    extra = max(_min_rows(params, layer_loop, kernels) - rows, 0)
+    extra = max(min_rows(params, layer_loop) - rows, 0)
     prompt, prompt_mask = (jnp.pad(x, ((0, extra), (0, 0)), mode="edge")
                            for x in (prompt, prompt_mask))
     out = _generate(params, prompt, prompt_mask, key, max_new_tokens, lora, spec=spec,
                     decoding=decoding, eos_ids=eos_ids, max_new_bucket=max_new_bucket,
-                    layer_loop=layer_loop, shardings=shardings, kernels=kernels)
+                    layer_loop=layer_loop, shardings=shardings)
     out = jax.tree_util.tree_map(lambda a: a[:rows], out)
     return out if shardings is None else constrain(out, row_shardings(shardings, out))
 
@@ -262,21 +119,20 @@ def _platform(shardings: MeshRules | None) -> str:
 
 
 def _generate(params, prompt, prompt_mask, key, max_new_tokens, lora, *, spec, decoding,
-              eos_ids, max_new_bucket, layer_loop, shardings, kernels) -> Generation:
+              eos_ids, max_new_bucket, layer_loop, shardings) -> Generation:
     """`generate` for a batch the layer loop runs as it is."""
     b, p = prompt.shape
     n = max_new_bucket
     on_cpu = _platform(shardings) == "cpu"
-    dtype = params["embed_tokens"]["embedding"].dtype
-    cache_dtype = jnp.float32 if on_cpu and kernels == "xla" else dtype
+    cache_dtype = jnp.float32 if on_cpu else params["embed_tokens"]["embedding"].dtype
     attn_mask = jnp.concatenate([prompt_mask, jnp.ones((b, n), bool)], axis=1)  # [B, S]
-    make_cache, run_layers = init_cache, hidden_states
+    make_cache, run_layers, cache_rules = init_cache, hidden_states, cache_shardings
     if layer_loop == "unrolled":
-        make_cache = init_layer_cache
+        make_cache, cache_rules = init_layer_cache, layer_cache_shardings
         run_layers = functools.partial(
-            unrolled_hidden_states, cpu_kernel_attention=kernels == "cpu",
+            unrolled_hidden_states,
             rope_table=rope_tables(jnp.arange(p + n, dtype=jnp.int32)[None], spec))
-        params, lora = _unstacked(params, lora, pack=kernels == "cpu" and _bf16(params))
+        params, lora = unstacked(params, lora)
 
     def logits_after(tokens, positions, cache):  # [B, V] at each row's last input token
         h, cache = run_layers(params, tokens, positions, spec, attn_mask=attn_mask, cache=cache,
@@ -286,7 +142,7 @@ def _generate(params, prompt, prompt_mask, key, max_new_tokens, lora, *, spec, d
     positions = positions_from_mask(prompt_mask)
     cache = make_cache(spec, b, p + n, cache_dtype)
     if shardings is not None:
-        cache = constrain(cache, cache_shardings(shardings, cache))
+        cache = constrain(cache, cache_rules(shardings, cache))
     logits, cache = logits_after(prompt, positions, cache)
     first_position = jnp.sum(prompt_mask, axis=1, dtype=jnp.int32)  # [B]
     eos = jnp.asarray(eos_ids, jnp.int32)
@@ -337,15 +193,14 @@ def _apply_stop(out: SampleOutput, stop: Sequence[str],
 def sample(params: Params, spec: ModelSpec, prompts: Sequence[Sequence[int]], key: jax.Array,
            cfg: SamplingConfig = SamplingConfig(), *, lora: Lora | None = None,
            eos_ids: Sequence[int] = (), detokenize: Callable[[Sequence[int]], str] | None = None,
-           layer_loop: str = "auto", shardings: MeshRules | None = None,
-           kernels: str = "auto") -> SampleOutput:
+           layer_loop: str = "auto", shardings: MeshRules | None = None) -> SampleOutput:
     """Sample one completion per prompt (lists of token ids; repeat a prompt for a group).
 
     cfg supplies temperature, top_k, top_p, min_p, max_new_tokens and stop strings; eos_ids end a
     row (`jaxrl.hf.tokenizer.eos_token_ids` lists a model's); detokenize (ids -> text) is needed
     for stop strings and fills `texts`. The same key, prompts and settings give the same output.
     shardings: sample on a mesh; with several processes `prompts` are this process's rows
-    (jaxrl/distributed.py) and so is the output. layer_loop and kernels: module docstring.
+    (jaxrl/distributed.py) and so is the output. layer_loop: module docstring.
     """
     if cfg.stop and detokenize is None:
         raise ValueError(f"stop strings {list(cfg.stop)} need a detokenize function (ids -> text)")
@@ -355,14 +210,11 @@ def sample(params: Params, spec: ModelSpec, prompts: Sequence[Sequence[int]], ke
     tokens, mask = left_pad(prompts, width)
     rows = (tokens, mask) if shardings is None else distributed.rows_to_global(shardings,
                                                                                (tokens, mask))
-    loop = choose_layer_loop(params, layer_loop)
-    kernels = choose_kernels(params, loop, kernels, shardings)
-    if kernels == "cpu" and _bf16(params):
-        params = _packed_once(params)
+    loop = choose_layer_loop(params, layer_loop, _platform(shardings))
     gen = generate(params, *rows, key, jnp.int32(cfg.max_new_tokens), lora, spec=spec,
                    decoding=Decoding.from_config(cfg), eos_ids=tuple(int(i) for i in eos_ids),
                    max_new_bucket=bucket(cfg.max_new_tokens), layer_loop=loop,
-                   shardings=shardings, kernels=kernels)
+                   shardings=shardings)
     gen = jax.device_get(gen) if shardings is None else distributed.rows_to_local(gen)
     n = cfg.max_new_tokens
     out = SampleOutput(prompt_tokens=tokens, prompt_mask=mask, tokens=gen.tokens[:, :n],

@@ -1,1 +1,0 @@
-"""Hand-written CPU kernels that XLA calls as FFI custom calls (jaxrl/kernels/cpu.py)."""
