@@ -188,7 +188,7 @@ def cache_shardings(rules: MeshRules, cache: KVCache) -> KVCache:
     """Shardings for a stacked KVCache [L, B, K, S, D]."""
     axes = ("layers", "batch", "kv_heads", "seq", "head_dim")
     return cache.replace(k=rules.named(axes, cache.k.shape), v=rules.named(axes, cache.v.shape),
-                         index=rules.replicated)
+                         index=rules.rows(cache.index.shape))
 
 
 def row_shardings(rules: MeshRules, tree):

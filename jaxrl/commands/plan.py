@@ -163,27 +163,46 @@ def abstract_run(cfg, spec, rules) -> AbstractRun:
 
 
 def lower_sampler(cfg, spec, rules, run: AbstractRun):
-    """The sampler (`generate`) lowered for a rollout of the run's rows: prompts in the bucket
-    of data.max_prompt_tokens, completions in that of sampling.max_new_tokens."""
+    """The decode engine's `generate` (one chunk of the run's new-token bucket) lowered for a
+    slot per row of the run (jaxrl/sampling/engine.py)."""
+    from jaxrl.sampling.buckets import bucket
+    from jaxrl.sampling.engine import abstract_slots, generate
+
+    state, loop = abstract_slots(run.params, spec, bucket(run.rows, minimum=1),
+                                 _capacity(cfg), rules)
+    return generate.lower(state, run.params, run.lora, spec=spec,
+                          eos_ids=spec.eos_token_ids or (0,),
+                          steps=bucket(cfg.sampling.max_new_tokens), layer_loop=loop,
+                          shardings=rules)
+
+
+def lower_prefill(cfg, spec, rules, run: AbstractRun):
+    """The decode engine's `admit` lowered for one step's prompts (data.prompts_per_step of
+    data.max_prompt_tokens) filling a slot per row."""
     import jax
     import jax.numpy as jnp
 
     from jaxrl.sampling.buckets import bucket
-    from jaxrl.sampling.layer_loops import choose_layer_loop
-    from jaxrl.sampling.sampler import generate
-    from jaxrl.sampling.sampling_fns import Decoding
+    from jaxrl.sampling.engine import abstract_slots, admit
+    from jaxrl.sampling.sampling_fns import RowSettings
 
-    shape = (run.rows, bucket(cfg.data.max_prompt_tokens))
-    sds = jax.ShapeDtypeStruct
-    platform = rules.mesh.devices.flat[0].platform
-    loop = choose_layer_loop(run.params, platform=platform)
-    return generate.lower(
-        run.params, sds(shape, jnp.int32, sharding=rules.rows(shape)),
-        sds(shape, jnp.bool_, sharding=rules.rows(shape)),
-        sds((2,), jnp.uint32, sharding=rules.replicated),
-        sds((), jnp.int32, sharding=rules.replicated), run.lora, spec=spec,
-        decoding=Decoding.from_config(cfg.sampling), eos_ids=spec.eos_token_ids or (0,),
-        max_new_bucket=bucket(cfg.sampling.max_new_tokens), layer_loop=loop, shardings=rules)
+    slots = bucket(run.rows, minimum=1)
+    state, _ = abstract_slots(run.params, spec, slots, _capacity(cfg), rules)
+    u, p = bucket(cfg.data.prompts_per_step, minimum=1), bucket(cfg.data.max_prompt_tokens)
+    sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rules.rows(shape))
+    m = (slots,)
+    settings = RowSettings(temperature=sds(m, jnp.float32), top_k=sds(m, jnp.int32),
+                           top_p=sds(m, jnp.float32), min_p=sds(m, jnp.float32))
+    return admit.lower(state, run.params, run.lora, sds((u, p), jnp.int32), sds((u,), jnp.int32),
+                       sds(m, jnp.int32), sds(m, jnp.int32), sds((slots, 2), jnp.uint32),
+                       settings, sds(m, jnp.int32), spec=spec,
+                       eos_ids=spec.eos_token_ids or (0,), shardings=rules)
+
+
+def _capacity(cfg) -> int:
+    from jaxrl.sampling.buckets import bucket
+
+    return bucket(cfg.data.max_prompt_tokens) + bucket(cfg.sampling.max_new_tokens)
 
 
 def lower_step(cfg, spec, rules, run: AbstractRun):
@@ -237,6 +256,7 @@ def plan_memory(cfg, spec, rules) -> list[ProgramMemory | OutOfMemory]:
     opt_bytes = per_device_bytes(run.state.opt_state, run.state_shardings.opt_state)
     rows = []
     for name, lower, resident in (("sampler", lower_sampler, opt_bytes),
+                                  ("prefill", lower_prefill, opt_bytes),
                                   ("grpo step", lower_step, 0)):
         try:
             rows.append(_memory(name, lower(cfg, spec, rules, run), resident))

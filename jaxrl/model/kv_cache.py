@@ -16,7 +16,7 @@ from jaxrl.model.families import ModelSpec
 class KVCache:
     k: jax.Array  # [L, B, K, S, D]
     v: jax.Array  # [L, B, K, S, D]
-    index: jax.Array  # [] int32: slots [0, index) are filled
+    index: jax.Array  # [B] int32: row b's slots [0, index[b]) are filled
 
     @property
     def max_len(self) -> int:
@@ -26,4 +26,4 @@ class KVCache:
 def init_cache(spec: ModelSpec, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
     shape = (spec.num_layers, batch, spec.num_kv_heads, max_len, spec.head_dim)
     return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
-                   index=jnp.zeros((), jnp.int32))
+                   index=jnp.zeros((batch,), jnp.int32))

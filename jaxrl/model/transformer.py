@@ -64,10 +64,11 @@ def projector(lp: Params, ll: Params | None, lora: Lora | None, rng: jax.Array |
 
 
 def attention_mask(attn_mask: jax.Array, t: int, start: jax.Array) -> jax.Array:
-    """[B, T, S]: query t (at slot start + t) sees valid key slots s <= start + t."""
-    s = attn_mask.shape[1]
-    causal = jnp.arange(s)[None, :] <= (start + jnp.arange(t))[:, None]  # [T, S]
-    return causal[None] & attn_mask[:, None, :]
+    """[B, T, S]: query t of row b (at slot start[b] + t; start [B] or a scalar) sees valid key
+    slots s <= start[b] + t."""
+    b, s = attn_mask.shape
+    query = jnp.broadcast_to(start, (b,))[:, None] + jnp.arange(t)  # [B, T]
+    return (jnp.arange(s) <= query[..., None]) & attn_mask[:, None, :]
 
 
 def _qkv(x, proj, lp, rope, spec: ModelSpec):
@@ -93,16 +94,27 @@ def decoder_layer(h: jax.Array, lp: Params, proj, rope, spec: ModelSpec, attenti
     return h + proj("down_proj", jax.nn.silu(proj("gate_proj", x)) * proj("up_proj", x)), kv
 
 
-def _stacked_attention(mask: jax.Array, kv_slots):
-    """Attention over this call's keys, or over a [B, K, S, D] cache layer written at slot
-    start when kv_slots = (cache_k, cache_v, start)."""
+def _attention(mask: jax.Array):
+    """Attention over this call's keys alone (no cache)."""
     def attention(q, k, v):
         k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, D]
-        if kv_slots is not None:
-            cache_k, cache_v, start = kv_slots
-            k = jax.lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype), (0, 0, start, 0))
-            v = jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype), (0, 0, start, 0))
-        return attend(q, k.astype(q.dtype), v.astype(q.dtype), mask), (k, v)
+        return attend(q, k, v, mask), None
+    return attention
+
+
+def _cached_attention(mask: jax.Array, cache: KVCache, layer: jax.Array):
+    """Attention over layer `layer` of the stacked cache, this call's keys and values [B, T, K, D]
+    written first at each row's slots [cache.index[b], cache.index[b] + T). Only the new slots
+    are written (a scatter into the whole stack), so a decode step moves T tokens per row, not
+    the layer's cache; slots past the cache's end are dropped. Returns the stack too."""
+    def attention(q, k, v):
+        b, t = q.shape[:2]
+        rows = jnp.arange(b)[:, None]  # [B, 1]
+        slots = cache.index[:, None] + jnp.arange(t)  # [B, T]
+        ck = cache.k.at[layer, rows, :, slots].set(k.astype(cache.k.dtype), mode="drop")
+        cv = cache.v.at[layer, rows, :, slots].set(v.astype(cache.v.dtype), mode="drop")
+        out = attend(q, ck[layer].astype(q.dtype), cv[layer].astype(q.dtype), mask)
+        return out, (ck, cv)
     return attention
 
 
@@ -116,33 +128,37 @@ def hidden_states(params: Params, tokens: jax.Array, positions: jax.Array, spec:
     remat: recompute each layer in the backward pass instead of saving its intermediates; this
     also keeps dequantized NF4 weights from being saved for the backward, one per layer.
     tokens, positions: [B, T] int32. attn_mask marks valid (non-pad) key slots: [B, T] without a
-    cache, [B, S] over the cache slots with one (default: all valid). With a cache the T new
-    tokens are written at slots [cache.index, cache.index + T).
+    cache, [B, S] over the cache slots with one (default: all valid). With a cache, row b's T
+    new tokens are written at slots [cache.index[b], cache.index[b] + T) and attend causally to
+    the slots before them; the stacked cache rides in the scan's carry.
     """
     b, t = tokens.shape
-    start = jnp.zeros((), jnp.int32) if cache is None else cache.index
+    start = jnp.zeros((b,), jnp.int32) if cache is None else cache.index
     if attn_mask is None:
         attn_mask = jnp.ones((b, t if cache is None else cache.max_len), bool)
     mask = attention_mask(attn_mask, t, start)
     rope = rope_tables(positions, spec)
     h = embed(params["embed_tokens"]["embedding"], tokens)  # [B, T, E]
 
-    def layer(h, xs):
-        lp, ll, kv, key = xs
-        attention = _stacked_attention(mask, None if kv is None else (*kv, start))
-        h, new_kv = decoder_layer(h, lp, projector(lp, ll, lora, key), rope, spec, attention)
-        return h, (new_kv if kv is not None else None)
+    def layer(carry, xs):
+        h, kv = carry
+        lp, ll, i, key = xs
+        attention = (_attention(mask) if kv is None
+                     else _cached_attention(mask, cache.replace(k=kv[0], v=kv[1]), i))
+        h, kv = decoder_layer(h, lp, projector(lp, ll, lora, key), rope, spec, attention)
+        return (h, kv), None
 
-    kv_in = None if cache is None else (cache.k, cache.v)
+    kv = None if cache is None else (cache.k, cache.v)
     ll = None if lora is None else lora.weights["layers"]
     use_dropout = lora is not None and lora.dropout > 0 and rng is not None
     keys = jax.random.split(rng, spec.num_layers) if use_dropout else None
     body = jax.checkpoint(layer) if remat else layer
-    h, kv_out = jax.lax.scan(body, h, (params["layers"], ll, kv_in, keys))
+    layers = jnp.arange(spec.num_layers)
+    (h, kv), _ = jax.lax.scan(body, (h, kv), (params["layers"], ll, layers, keys))
     h = rms_norm(h, params["norm"]["scale"], spec.rms_norm_eps)
     if cache is None:
         return h, None
-    return h, KVCache(k=kv_out[0], v=kv_out[1], index=start + t)
+    return h, KVCache(k=kv[0], v=kv[1], index=start + t)
 
 
 def lm_logits(params: Params, h: jax.Array, spec: ModelSpec) -> jax.Array:

@@ -1,6 +1,9 @@
-"""Jitted batched generation: prefill + while-loop decode, sampling controls, log-probs."""
+"""Sampling: the decode engine (slots, continuous batching, per-slot settings), `sample` on top
+of it, sampling controls and log-probs."""
+from jaxrl.sampling.engine import Engine, Request
 from jaxrl.sampling.layer_loops import choose_layer_loop
-from jaxrl.sampling.sampler import Generation, SampleOutput, generate, sample
-from jaxrl.sampling.sampling_fns import Decoding
+from jaxrl.sampling.sampler import SampleOutput, sample
+from jaxrl.sampling.sampling_fns import Decoding, RowSettings
 
-__all__ = ["Decoding", "Generation", "SampleOutput", "choose_layer_loop", "generate", "sample"]
+__all__ = ["Decoding", "Engine", "Request", "RowSettings", "SampleOutput", "choose_layer_loop",
+           "sample"]

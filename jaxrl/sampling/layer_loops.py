@@ -68,7 +68,7 @@ def min_rows(params: Params, layer_loop: str) -> int:
 class LayerKVCache:
     kt: tuple[jax.Array, ...]  # L x [B, K, D, S]: keys, transposed
     v: tuple[jax.Array, ...]  # L x [B, K, S, D]
-    index: jax.Array  # [] int32: slots [0, index) are filled
+    index: jax.Array  # [B] int32: row b's slots [0, index[b]) are filled
 
     @property
     def max_len(self) -> int:
@@ -84,7 +84,7 @@ def init_layer_cache(spec: ModelSpec, batch: int, max_len: int,
     layers = range(spec.num_layers)
     return LayerKVCache(kt=tuple(jnp.zeros(kt, dtype) for _ in layers),
                         v=tuple(jnp.zeros(v, dtype) for _ in layers),
-                        index=jnp.zeros((), jnp.int32))
+                        index=jnp.zeros((batch,), jnp.int32))
 
 
 def layer_cache_shardings(rules: MeshRules, cache: LayerKVCache) -> LayerKVCache:
@@ -92,7 +92,7 @@ def layer_cache_shardings(rules: MeshRules, cache: LayerKVCache) -> LayerKVCache
     v = ("batch", "kv_heads", "seq", "head_dim")
     return cache.replace(kt=tuple(rules.named(kt, a.shape) for a in cache.kt),
                          v=tuple(rules.named(v, a.shape) for a in cache.v),
-                         index=rules.replicated)
+                         index=rules.rows(cache.index.shape))
 
 
 def unstack_layers(tree: Params) -> tuple[Params, ...]:
@@ -114,13 +114,14 @@ def unstacked(params: Params, lora: Lora | None) -> tuple[Params, Lora | None]:
 
 def _transposed_key_attention(mask: jax.Array, cache_kt: jax.Array, cache_v: jax.Array,
                               start: jax.Array):
-    """Attention over one `LayerKVCache` layer, this call's keys written at slot start; computed
-    in the cache dtype."""
+    """Attention over one `LayerKVCache` layer, this call's keys and values [B, T, K, D] written
+    at each row's slots [start[b], start[b] + T) (past the end: dropped); computed in the cache
+    dtype."""
     def attention(q, k, v):
-        kt = k.transpose(0, 2, 3, 1).astype(cache_kt.dtype)  # [B, K, D, T]
-        v = v.transpose(0, 2, 1, 3).astype(cache_v.dtype)  # [B, K, T, D]
-        kt = jax.lax.dynamic_update_slice(cache_kt, kt, (0, 0, 0, start))
-        v = jax.lax.dynamic_update_slice(cache_v, v, (0, 0, start, 0))
+        rows = jnp.arange(q.shape[0])[:, None]  # [B, 1]
+        slots = start[:, None] + jnp.arange(q.shape[1])  # [B, T]
+        kt = cache_kt.at[rows, :, :, slots].set(k.astype(cache_kt.dtype), mode="drop")
+        v = cache_v.at[rows, :, slots].set(v.astype(cache_v.dtype), mode="drop")
         out = attend(q.astype(kt.dtype), kt, v, mask, keys_transposed=True)
         return out.astype(q.dtype), (kt, v)
     return attention

@@ -1,46 +1,52 @@
-"""Next-token selection: temperature, top-k, top-p, min-p, exact categorical draws, log-probs.
+"""Next-token selection with per-row settings: temperature, top-k, top-p, min-p, exact
+categorical draws, log-probs.
 
-Glossary: B batch, V vocab, N blocks of C consecutive vocab entries (two-level sampling).
+Glossary: B batch (rows or decode slots), V vocab, N blocks of C consecutive vocab entries
+(two-level sampling).
 
-Filters follow Hugging Face `generate` in order and meaning: the logits are divided by the
-temperature, then top-k, top-p and min-p run in that order, each on the previous one's output;
-a removed token gets logit -inf.
-  top-k  keeps logits >= the k-th largest (ties with it are kept, as in HF).
+Each row carries its own settings (`RowSettings`: arrays [B]), so a decode slot's settings are
+data, not part of the compiled program. Filters follow Hugging Face `generate` in order and
+meaning: the logits are divided by the temperature, then top-k, top-p and min-p run in that
+order, each on the previous one's output; a removed token gets logit -inf.
+  top-k  keeps logits >= the k-th largest (ties with it are kept, as in HF); 0 = off.
   top-p  keeps token i iff the probability mass of the tokens ranked above it is < p: the
          smallest set of most likely tokens whose mass reaches p. Tokens tied with the last
-         kept one are kept too (HF's sort would split such a tie arbitrarily).
-  min-p  keeps tokens with probability >= min_p * the largest probability.
+         kept one are kept too (HF's sort would split such a tie arbitrarily); 1 = off.
+  min-p  keeps tokens with probability >= min_p * the largest probability; 0 = off.
 Temperature 0 is greedy: the first index of the largest raw logit (filters do not apply).
+A filter that no row uses is skipped at run time (`lax.cond`), and so are the draws when every
+row is greedy.
 
 Log-probs (`next_token`): the log-probability of the chosen token under log_softmax(logits / T)
 for T > 0, taken BEFORE top-k / top-p / min-p filtering, which is the distribution the learner's
 `jaxrl.rl.logprobs` computes at the same temperature; for T = 0 it is the untempered
 log_softmax(logits).
 
-Speed on XLA's CPU backend decides two choices here (B = 32, V = 49152, measured):
-`jax.random.categorical` draws V Gumbel numbers per row (50-60 ms a step, as much as the whole
-forward), and a cumulative sum over V costs 15 ms, so `categorical` draws one uniform per row
-and inverts the CDF in two levels, block sums then one block (1.8 ms). A full sort for top-p
-costs ~400 ms, so `top_p_mask` reads the top 256 probabilities (`lax.top_k`, 9 ms) and falls
-back to an exact bisection (30 ms more) only when those do not reach p. Greedy uses
-`lax.top_k(x, 1)` (~2 ms against 4.7 ms for `argmax`; both return the first index of the max).
+Draws: row b draws one uniform from its own key, so what a row samples does not depend on the
+rows beside it. `categorical` inverts the CDF in two levels, block sums then one block, instead
+of V Gumbel numbers per row; top-k and top-p read the top 256 entries (`lax.top_k`) and fall back
+to an exact bisection only for rows those do not decide, as a full sort over V is far slower
+(docs/benchmarks.md).
 """
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from flax import struct
 
 from jaxrl.config import SamplingConfig
 
 _BLOCK = 128  # C: vocab entries per block in `categorical`
-_TOP_P_CANDIDATES = 256  # probabilities `top_p_mask` sorts before it falls back to bisection
+_CANDIDATES = 256  # entries top-k and top-p read before they fall back to bisection
 
 
 @dataclasses.dataclass(frozen=True)
 class Decoding:
-    """Static decoding settings; each distinct value is a separately compiled program."""
+    """One request's decoding settings, checked; `RowSettings.of` turns rows of them into data."""
 
     temperature: float = 1.0  # 0 = greedy
     top_k: int = 0  # 0 = off
@@ -65,25 +71,76 @@ class Decoding:
         return self.temperature == 0
 
 
-def top_k_mask(logits: jax.Array, k: int) -> jax.Array:
-    """[B, V] True where a logit is among the k largest of its row (ties kept)."""
-    if k >= logits.shape[-1]:
-        return jnp.ones(logits.shape, bool)
-    # min, not [:, -1:]: XLA rewrites a sliced top_k into a full sort (350 ms against 3 ms)
-    kth = jnp.min(jax.lax.top_k(logits, k)[0], axis=-1, keepdims=True)  # [B, 1]
-    return logits >= kth
+@struct.dataclass
+class RowSettings:
+    """Decoding settings per row, as arrays [B]."""
+
+    temperature: jax.Array  # float32; 0 = greedy
+    top_k: jax.Array  # int32; 0 = off
+    top_p: jax.Array  # float32; 1 = off
+    min_p: jax.Array  # float32; 0 = off
+
+    @classmethod
+    def of(cls, rows: Sequence[Decoding]) -> "RowSettings":
+        """Host arrays of one `Decoding` per row."""
+        column = lambda name, dtype: np.asarray([getattr(d, name) for d in rows], dtype)
+        return cls(temperature=column("temperature", np.float32),
+                   top_k=column("top_k", np.int32), top_p=column("top_p", np.float32),
+                   min_p=column("min_p", np.float32))
 
 
-def _bisect_top_p(probs: jax.Array, p: float) -> jax.Array:
-    """[B, 1] the smallest float t with mass(probs > t) < p, found exactly by bisecting over the
-    bit patterns of non-negative float32 values (ordered like the integers they spell)."""
+def _per_row(x, logits: jax.Array) -> jax.Array:
+    """A scalar or [B] setting as [B, 1] against logits [B, V]."""
+    return jnp.broadcast_to(jnp.asarray(x), logits.shape[:1])[:, None]
+
+
+def _ordered(x: jax.Array) -> jax.Array:
+    """uint32 keys of float32 values that order like the values (-inf lowest): negative values'
+    bits inverted, non-negative values' sign bit set."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    return bits ^ jnp.where(bits >> 31 == 1, jnp.uint32(0xFFFFFFFF), jnp.uint32(0x80000000))
+
+
+def _bisect_kth(logits: jax.Array, k: jax.Array) -> jax.Array:
+    """[B, 1] ordered key (`_ordered`) of each row's k-th largest logit (k [B, 1] >= 1): the
+    largest key t with count(keys >= t) >= k, found exactly by bisection over uint32."""
+    keys = _ordered(logits)
+
+    def halve(_, bounds):
+        lo, hi = bounds  # [B, 1]; the answer lies in [lo, hi]
+        mid = lo + (hi - lo + 1) // 2
+        enough = jnp.sum(keys >= mid, axis=-1, keepdims=True) >= k
+        return jnp.where(enough, mid, lo), jnp.where(enough, hi, mid - 1)
+
+    lo = jnp.min(keys, axis=-1, keepdims=True)
+    hi = jnp.max(keys, axis=-1, keepdims=True)
+    return jax.lax.fori_loop(0, 33, halve, (lo, hi))[0]
+
+
+def top_k_mask(logits: jax.Array, k) -> jax.Array:
+    """[B, V] True where a logit is among the k largest of its row (ties kept); k an int or
+    [B] ints, 0 = keep all."""
+    k = _per_row(k, logits)
+    n = min(_CANDIDATES, logits.shape[-1])
+    top = jax.lax.top_k(logits, n)[0]  # [B, n], descending
+    kth = _ordered(jnp.take_along_axis(top, jnp.clip(k - 1, 0, n - 1), axis=-1))
+    beyond = k > n  # rows whose k-th largest lies outside the candidates
+    kth = jax.lax.cond(jnp.any(beyond), lambda: jnp.where(beyond, _bisect_kth(logits, k), kth),
+                       lambda: kth)
+    return (k == 0) | (_ordered(logits) >= kth)
+
+
+def _bisect_top_p(probs: jax.Array, p: jax.Array) -> jax.Array:
+    """[B, 1] the smallest float t with mass(probs > t) < p (p [B, 1]), found exactly by
+    bisecting over the bit patterns of non-negative float32 values (ordered like the integers
+    they spell)."""
     as_float = lambda bits: jax.lax.bitcast_convert_type(bits, jnp.float32)
 
     def halve(_, bounds):
         lo, hi = bounds  # [B] bit patterns; the answer lies in [lo, hi]
         mid = lo + (hi - lo) // 2
         mass = jnp.sum(jnp.where(probs > as_float(mid)[:, None], probs, 0.0), axis=-1)
-        below = mass < p
+        below = mass < p[:, 0]
         return jnp.where(below, lo, mid + 1), jnp.where(below, mid, hi)
 
     hi = jax.lax.bitcast_convert_type(jnp.max(probs, axis=-1), jnp.int32)  # mass above max = 0
@@ -91,38 +148,42 @@ def _bisect_top_p(probs: jax.Array, p: float) -> jax.Array:
     return as_float(hi)[:, None]
 
 
-def top_p_mask(logits: jax.Array, p: float) -> jax.Array:
-    """[B, V] True for the nucleus: tokens whose higher-ranked mass is < p (see module doc)."""
+def top_p_mask(logits: jax.Array, p) -> jax.Array:
+    """[B, V] True for the nucleus: tokens whose higher-ranked mass is < p (see module doc);
+    p a float or [B] floats, 1 = keep all."""
+    p = _per_row(p, logits)
     probs = jax.nn.softmax(logits, axis=-1)  # [B, V]; removed (-inf) tokens get 0
-    top = jax.lax.top_k(probs, min(_TOP_P_CANDIDATES, probs.shape[-1]))[0]  # [B, n], descending
+    top = jax.lax.top_k(probs, min(_CANDIDATES, probs.shape[-1]))[0]  # [B, n], descending
     above = jnp.cumsum(top, axis=-1) - top  # mass ranked above each candidate
     last = jnp.sum(above < p, axis=-1, keepdims=True) - 1  # [B, 1] index of the last kept
     threshold = jnp.take_along_axis(top, last, axis=-1)  # [B, 1]
-    reached = jnp.sum(top, axis=-1, keepdims=True) >= p  # the nucleus lies within the top n
+    reached = (jnp.sum(top, axis=-1, keepdims=True) >= p) | (p >= 1)  # decided by the top n
     threshold = jax.lax.cond(
         jnp.all(reached), lambda: threshold,
         lambda: jnp.where(reached, threshold, _bisect_top_p(probs, p)))
-    return probs >= threshold
+    return (p >= 1) | (probs >= threshold)
 
 
-def min_p_mask(logits: jax.Array, min_p: float) -> jax.Array:
-    """[B, V] True where p_i >= min_p * max_j p_j, i.e. exp(logit_i - max logit) >= min_p."""
-    return jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True)) >= min_p
+def min_p_mask(logits: jax.Array, min_p) -> jax.Array:
+    """[B, V] True where p_i >= min_p * max_j p_j, i.e. exp(logit_i - max logit) >= min_p;
+    min_p a float or [B] floats, 0 = keep all."""
+    return jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True)) >= _per_row(min_p, logits)
 
 
-def filter_logits(scaled: jax.Array, decoding: Decoding) -> jax.Array:
-    """Temperature-scaled logits [B, V] with top-k, top-p, min-p applied in HF's order."""
-    steps = ((decoding.top_k > 0, lambda x: top_k_mask(x, decoding.top_k)),
-             (decoding.top_p < 1, lambda x: top_p_mask(x, decoding.top_p)),
-             (decoding.min_p > 0, lambda x: min_p_mask(x, decoding.min_p)))
-    for enabled, keep in steps:
-        if enabled:
-            scaled = jnp.where(keep(scaled), scaled, -jnp.inf)
+def filter_logits(scaled: jax.Array, settings: RowSettings) -> jax.Array:
+    """Temperature-scaled logits [B, V] with each row's top-k, top-p, min-p applied in HF's
+    order; a filter no row uses is skipped."""
+    steps = ((settings.top_k > 0, lambda x: top_k_mask(x, settings.top_k)),
+             (settings.top_p < 1, lambda x: top_p_mask(x, settings.top_p)),
+             (settings.min_p > 0, lambda x: min_p_mask(x, settings.min_p)))
+    for used, keep in steps:
+        scaled = jax.lax.cond(jnp.any(used), lambda x, keep=keep: jnp.where(keep(x), x, -jnp.inf),
+                              lambda x: x, scaled)
     return scaled
 
 
-def categorical(key: jax.Array, logits: jax.Array) -> jax.Array:
-    """One draw [B] per row from softmax(logits), -inf logits never drawn.
+def categorical(keys: jax.Array, logits: jax.Array) -> jax.Array:
+    """One draw [B] per row from softmax(logits), row b from keys[b]; -inf logits never drawn.
 
     Exact inverse-CDF sampling with one uniform u per row: the first block whose cumulative
     weight reaches u, then the first entry of that block whose cumulative weight reaches the rest.
@@ -134,7 +195,8 @@ def categorical(key: jax.Array, logits: jax.Array) -> jax.Array:
     w = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))  # [B, V]
     w = jnp.pad(w, ((0, 0), (0, n * c - v))).reshape(b, n, c)  # [B, N, C]
     block_cum = jnp.cumsum(jnp.sum(w, axis=-1), axis=-1)  # [B, N]
-    u = (1.0 - jax.random.uniform(key, (b, 1))) * block_cum[:, -1:]  # [B, 1] in (0, total]
+    uniform = jax.vmap(lambda key: jax.random.uniform(key, (1,)))(keys)  # [B, 1]
+    u = (1.0 - uniform) * block_cum[:, -1:]  # [B, 1] in (0, total]
     block = jnp.minimum(jnp.sum(block_cum < u, axis=-1), n - 1)  # [B]
     prev = jnp.take_along_axis(block_cum, jnp.maximum(block - 1, 0)[:, None], axis=-1)[:, 0]
     before = jnp.where(block > 0, prev, 0.0)  # [B] weight of the blocks before
@@ -148,14 +210,15 @@ def greedy(logits: jax.Array) -> jax.Array:
     return jax.lax.top_k(logits, 1)[1][:, 0].astype(jnp.int32)
 
 
-def next_token(key: jax.Array, logits: jax.Array, decoding: Decoding):
-    """(token [B] int32, log-prob [B] float32) from float32 logits [B, V]; the log-prob is of
-    the tempered, unfiltered distribution (module docstring)."""
-    if decoding.greedy:
-        scaled = logits
-        token = greedy(logits)
-    else:
-        scaled = logits / decoding.temperature
-        token = categorical(key, filter_logits(scaled, decoding))
+def next_token(keys: jax.Array, logits: jax.Array, settings: RowSettings):
+    """(token [B] int32, log-prob [B] float32) from float32 logits [B, V], row b drawn with
+    keys[b] under its own settings; the log-prob is of the tempered, unfiltered distribution
+    (module docstring)."""
+    is_greedy = settings.temperature == 0
+    scaled = logits / jnp.where(is_greedy, 1.0, settings.temperature)[:, None]
+    best = greedy(logits)
+    token = jax.lax.cond(
+        jnp.all(is_greedy), lambda: best,
+        lambda: jnp.where(is_greedy, best, categorical(keys, filter_logits(scaled, settings))))
     chosen = jnp.take_along_axis(scaled, token[:, None], axis=-1)[:, 0]
     return token, chosen - jax.nn.logsumexp(scaled, axis=-1)

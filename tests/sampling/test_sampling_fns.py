@@ -1,5 +1,6 @@
 """Sampling controls: exact masks on fixed logits (by hand and against transformers' warpers),
-exact categorical draws (statistical test with a fixed seed), log-prob semantics."""
+exact categorical draws (statistical test with a fixed seed), log-prob semantics, and per-row
+settings (each row as if alone)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,8 +12,8 @@ from transformers.generation.logits_process import (MinPLogitsWarper, TopKLogits
 
 from jaxrl.config import SamplingConfig
 from jaxrl.sampling import sampling_fns
-from jaxrl.sampling.sampling_fns import (Decoding, categorical, filter_logits, greedy,
-                                         min_p_mask, next_token, top_k_mask, top_p_mask)
+from jaxrl.sampling.sampling_fns import (Decoding, RowSettings, categorical, filter_logits,
+                                         greedy, min_p_mask, next_token, top_k_mask, top_p_mask)
 
 # probabilities 0.4, 0.3, 0.2, 0.05, 0.05 (ranks 0..4), shuffled
 PROBS = np.array([0.05, 0.3, 0.05, 0.4, 0.2])
@@ -50,8 +51,9 @@ def test_masks_equal_transformers_warpers(vocab):
     rng = np.random.RandomState(vocab)
     logits = (rng.randn(16, vocab) * rng.uniform(0.1, 4, (16, 1))).astype(np.float32)
     x = jnp.asarray(logits)
-    for k in (1, 5, 40):
-        np.testing.assert_array_equal(top_k_mask(x, k), _hf(TopKLogitsWarper(k), logits))
+    for k in (1, 5, 40, 300, 999):  # past 256 candidates: bisection
+        if k < vocab:
+            np.testing.assert_array_equal(top_k_mask(x, k), _hf(TopKLogitsWarper(k), logits))
     for p in (0.1, 0.5, 0.9, 0.99):
         np.testing.assert_array_equal(top_p_mask(x, p), _hf(TopPLogitsWarper(p), logits))
     for p in (0.01, 0.2, 0.7):
@@ -67,14 +69,15 @@ def test_top_p_bisection_is_the_path_taken_for_flat_rows():
     np.testing.assert_array_equal(np.flatnonzero(got[1]), [0, 1, 2])
     # where both apply, the bisection keeps what the candidate path keeps
     peaked = jnp.asarray(np.random.RandomState(4).randn(8, 1000) * 3, jnp.float32)
-    by_bisection = jax.nn.softmax(peaked) >= sampling_fns._bisect_top_p(jax.nn.softmax(peaked), 0.7)
+    by_bisection = jax.nn.softmax(peaked) >= sampling_fns._bisect_top_p(jax.nn.softmax(peaked),
+                                                                        jnp.full((8, 1), 0.7))
     np.testing.assert_array_equal(by_bisection, top_p_mask(peaked, 0.7))
 
 
 def test_filter_order_is_hfs():
     """top-p after top-k renormalizes over the k survivors, as HF does."""
     d = Decoding(temperature=1.0, top_k=3, top_p=0.6)
-    got = np.isfinite(np.asarray(filter_logits(LOGITS, d)))[0]
+    got = np.isfinite(np.asarray(filter_logits(LOGITS, RowSettings.of([d]))))[0]
     # survivors 0.4, 0.3, 0.2 renormalize to 4/9, 3/9, 2/9: 0.2 has 7/9 above it -> removed
     np.testing.assert_array_equal(got, [0, 1, 0, 1, 0])
     hf = _hf(TopPLogitsWarper(0.6), np.where(_hf(TopKLogitsWarper(3), LOGITS), LOGITS, -np.inf))
@@ -88,9 +91,10 @@ def test_greedy_takes_first_index_of_a_tie():
 
 def _draws(logits_row, n, seed, decoding=None):
     logits = jnp.broadcast_to(jnp.asarray(logits_row, jnp.float32), (n, len(logits_row)))
+    keys = jax.random.split(jax.random.PRNGKey(seed), n)
     if decoding is None:
-        return np.asarray(categorical(jax.random.PRNGKey(seed), logits))
-    return np.asarray(next_token(jax.random.PRNGKey(seed), logits, decoding)[0])
+        return np.asarray(categorical(keys, logits))
+    return np.asarray(next_token(keys, logits, RowSettings.of([decoding] * n))[0])
 
 
 @pytest.mark.parametrize("settings", [dict(temperature=1.0), dict(temperature=0.7, top_k=4),
@@ -101,7 +105,7 @@ def test_sampled_frequencies_match_the_masked_distribution(settings):
     row = rng.randn(300).astype(np.float32) * 1.5  # 300 > 128: two-level draws over 3 blocks
     decoding = Decoding(**settings)
     scaled = jnp.asarray(row)[None] / decoding.temperature
-    masked = np.asarray(filter_logits(scaled, decoding))[0]
+    masked = np.asarray(filter_logits(scaled, RowSettings.of([decoding])))[0]
     expected = np.asarray(jax.nn.softmax(masked), np.float64)
     expected /= expected.sum()
     draws = _draws(row, 100_000, seed=1, decoding=decoding)
@@ -132,11 +136,11 @@ def test_same_seed_same_draws_and_different_seed_different_draws():
 
 def test_logprob_is_of_the_tempered_unfiltered_distribution():
     logits = jnp.asarray(np.random.RandomState(2).randn(4, 64), jnp.float32)
-    key = jax.random.PRNGKey(0)
-    tok, lp = next_token(key, logits, Decoding(temperature=0.5, top_k=3))
+    keys = jax.random.split(jax.random.PRNGKey(0), 4)
+    tok, lp = next_token(keys, logits, RowSettings.of([Decoding(temperature=0.5, top_k=3)] * 4))
     want = jax.nn.log_softmax(logits / 0.5)[jnp.arange(4), tok]
     np.testing.assert_allclose(lp, want, atol=1e-6)
-    tok, lp = next_token(key, logits, Decoding(temperature=0.0))
+    tok, lp = next_token(keys, logits, RowSettings.of([Decoding(temperature=0.0)] * 4))
     np.testing.assert_array_equal(tok, np.argmax(logits, -1))
     np.testing.assert_allclose(lp, jax.nn.log_softmax(logits)[jnp.arange(4), tok], atol=1e-6)
 
@@ -147,3 +151,18 @@ def test_decoding_validation_names_the_field():
     with pytest.raises(ValueError, match="temperature"):
         Decoding(temperature=-1.0)
     assert Decoding.from_config(SamplingConfig(temperature=0, top_k=5)) == Decoding(0.0, 5)
+
+
+def test_each_row_draws_as_if_alone_under_its_own_settings():
+    """Rows with different settings (greedy, top-k, top-p, min-p, plain) in one call give what
+    each gives alone: settings and keys are per row."""
+    logits = jnp.asarray(np.random.RandomState(5).randn(5, 700) * 2, jnp.float32)
+    rows = [Decoding(0.0), Decoding(0.7, top_k=300), Decoding(1.2, top_p=0.8),
+            Decoding(0.9, min_p=0.1), Decoding(1.0)]
+    keys = jax.random.split(jax.random.PRNGKey(9), 5)
+    tok, lp = next_token(keys, logits, RowSettings.of(rows))
+    for i, d in enumerate(rows):
+        alone_tok, alone_lp = next_token(keys[i:i + 1], logits[i:i + 1], RowSettings.of([d]))
+        assert int(tok[i]) == int(alone_tok[0])
+        np.testing.assert_allclose(lp[i], alone_lp[0], atol=1e-6)
+    assert int(tok[0]) == int(np.argmax(logits[0]))
