@@ -1,8 +1,7 @@
-"""The decode engine on tiny random models, float32: greedy requests equal transformers'
-generate whatever slot they land in and whatever decodes beside them, seeded requests decode the
-same alone or beside others, log-probs equal teacher forcing, each distinct prompt is prefilled
-once, slots are refilled as requests finish, tokens stream in order, and changing settings
-compiles nothing new."""
+"""The decode engine on tiny random models, float32: requests decode as they do alone whatever
+slot they land in and whatever decodes beside them (greedy ones equal transformers' generate),
+log-probs equal teacher forcing, each distinct prompt is prefilled once, slots are refilled as
+requests finish, tokens stream in order, and changing settings compiles nothing new."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,11 +11,14 @@ import torch
 from jaxrl.hf.load import load_params
 from jaxrl.model.transformer import forward
 from jaxrl.sampling import Decoding, Engine, Request
-from jaxrl.sampling import engine as engine_mod
+from jaxrl.sampling import engine as engine_programs
 from jaxrl.sampling.engine import row_keys
 from tests.tiny_models import make_model
 
 PROMPTS = [[5, 9, 31, 7, 100, 3, 44], [17, 2, 88], list(range(10, 40)), [64], [3, 1, 4, 1, 5]]
+MIXED = [Decoding(0.0), Decoding(0.8, top_k=5), Decoding(1.0, top_p=0.9),
+         Decoding(0.7, min_p=0.1), Decoding(1.3)]
+BUDGETS = [12, 5, 20, 3, 9, 16, 7]
 
 
 @pytest.fixture(scope="module")
@@ -37,10 +39,18 @@ def _hf_greedy(model, prompt, n):
 
 
 def _teacher_forced(params, spec, prompt, tokens, temperature):
+    """log_softmax(logits / T) of each completion token by one forward over prompt + tokens."""
     ids = jnp.asarray([list(prompt) + list(tokens)])
     logits = forward(params, ids, jnp.arange(ids.shape[1])[None], spec)[0][0]
     logp = jax.nn.log_softmax(logits[len(prompt) - 1:-1] / temperature, axis=-1)
     return np.asarray(logp)[np.arange(len(tokens)), tokens]
+
+
+def _requests(n=9, seed=0):
+    """More requests than slots, of mixed settings and budgets, so slots are refilled."""
+    keys = row_keys(jax.random.PRNGKey(seed), range(n))
+    return [Request(PROMPTS[i % 5], MIXED[i % 5], max_new_tokens=BUDGETS[i % 7], key=keys[i])
+            for i in range(n)]
 
 
 def _run(params, spec, requests, slots=4, chunk=4, layer_loop="scan", eos_ids=()):
@@ -52,35 +62,89 @@ def _run(params, spec, requests, slots=4, chunk=4, layer_loop="scan", eos_ids=()
     return engine
 
 
-MIXED = [Decoding(0.0), Decoding(0.8, top_k=5), Decoding(1.0, top_p=0.9), Decoding(0.7, min_p=0.1),
-         Decoding(0.0)]
-
-
-def _mixed_requests(keys):
-    """More requests than slots, of mixed settings and budgets (some finish early)."""
-    return [Request(PROMPTS[i % 5], MIXED[i % 5], max_new_tokens=[12, 5, 20, 3, 9, 16, 7][i % 7],
-                    key=keys[i]) for i in range(9)]
-
-
 @pytest.mark.parametrize("layer_loop", ["scan", "unrolled"])
 def test_requests_decode_as_alone_whatever_slot_and_neighbours(tiny, layer_loop):
     model, spec, params = tiny
-    keys = row_keys(jax.random.PRNGKey(0), range(9))
-    together = _run(params, spec, _mixed_requests(keys), layer_loop=layer_loop)
-    assert together.stats.admitted == 9 and together.stats.chunks > 1
-    for i, r in enumerate(_mixed_requests(keys)):
-        alone = _run(params, spec, [r], slots=1, chunk=8, layer_loop=layer_loop)
-        want = r  # the same request object, now decoded alone
-        got = _mixed_requests(keys)[i]
-        assert len(want.tokens) == want.max_new_tokens and want.finish_reason == "length"
-        assert alone.stats.admitted == 1
-        del got
-    for r in _collected(params, spec, keys, layer_loop):
+    together = _requests()
+    engine = _run(params, spec, together, layer_loop=layer_loop)
+    assert engine.stats.admitted == 9 and engine.stats.chunks > 2
+    for r, alone in zip(together, _requests()):
+        _run(params, spec, [alone], slots=1, chunk=8, layer_loop=layer_loop)
+        assert r.tokens == alone.tokens and len(r.tokens) == r.max_new_tokens
+        np.testing.assert_allclose(r.logprobs, alone.logprobs, atol=1e-5)
+        assert r.finish_reason == alone.finish_reason == "length"
         if r.decoding.temperature == 0:
             assert r.tokens == _hf_greedy(model, r.prompt, r.max_new_tokens)
 
 
-def _collected(params, spec, keys, layer_loop):
-    requests = _mixed_requests(keys)
-    _run(params, spec, requests, layer_loop=layer_loop)
-    return requests
+def test_logprobs_equal_teacher_forced_logprobs(tiny):
+    _, spec, params = tiny
+    requests = _requests(seed=3)
+    _run(params, spec, requests)
+    for r in requests:
+        t = r.decoding.temperature or 1.0
+        want = _teacher_forced(params, spec, r.prompt, r.tokens, t)
+        np.testing.assert_allclose(r.logprobs, want, atol=1e-5, rtol=0)
+
+
+def test_a_group_prefills_its_prompt_once_and_its_rows_differ(tiny):
+    _, spec, params = tiny
+    keys = row_keys(jax.random.PRNGKey(1), range(8))
+    group = [Request(PROMPTS[0], Decoding(1.0), 10, keys[i]) for i in range(4)]
+    other = [Request(PROMPTS[1], Decoding(1.0), 10, keys[4 + i]) for i in range(4)]
+    engine = _run(params, spec, group + other, slots=8)
+    assert engine.stats.prefills == 2 and engine.stats.admitted == 8
+    assert len({tuple(r.tokens) for r in group}) > 1  # own keys, own draws
+
+
+def test_eos_ends_a_request_and_frees_its_slot(tiny):
+    _, spec, params = tiny
+    free = _requests()
+    _run(params, spec, free)
+    eos = free[2].tokens[4]  # a token request 2 emits at index 4 (maybe earlier too)
+    stopped = _requests()
+    engine = _run(params, spec, stopped, eos_ids=(eos,))
+    for a, b in zip(free, stopped):
+        hits = [i for i, t in enumerate(a.tokens) if t == eos]
+        end = hits[0] + 1 if hits else len(a.tokens)
+        assert b.tokens == a.tokens[:end]
+        assert b.finish_reason == ("stop" if hits else "length")
+    assert stopped[2].finish_reason == "stop"
+    assert engine.stats.tokens + engine.stats.admitted == sum(len(r.tokens) for r in stopped)
+
+
+def test_tokens_stream_in_order_as_they_are_decoded(tiny):
+    _, spec, params = tiny
+    seen, done = [], []
+    request = Request(PROMPTS[2], Decoding(0.9), 11, row_keys(jax.random.PRNGKey(2), [0])[0],
+                      on_token=lambda t, lp: seen.append((t, lp)), on_done=done.append)
+    engine = Engine(params, spec, slots=2, capacity=64, chunk=4)
+    engine.submit(request)
+    counts, more = [], True
+    while more:
+        more = engine.step()
+        counts.append(len(seen))
+    assert counts == [1 + 4, 1 + 8, 11]  # the first token from the prefill, then a chunk a step
+    assert [t for t, _ in seen] == request.tokens and done == [request]
+
+
+def test_new_settings_compile_no_new_program(tiny):
+    _, spec, params = tiny
+    _run(params, spec, _requests(seed=5))  # compiles the buckets these requests use
+    before = engine_programs.generate._cache_size(), engine_programs.admit._cache_size()
+    settings = [Decoding(0.3, top_k=2), Decoding(1.7, top_p=0.5, min_p=0.2), Decoding(0.0),
+                Decoding(0.9, top_k=40, top_p=0.7)]
+    for seed, decoding in enumerate(settings):
+        requests = _requests(seed=10 + seed)
+        for r in requests:
+            r.decoding = decoding
+        _run(params, spec, requests)
+    after = engine_programs.generate._cache_size(), engine_programs.admit._cache_size()
+    assert after == before
+
+
+def test_a_request_that_does_not_fit_is_refused(tiny):
+    _, spec, params = tiny
+    engine = Engine(params, spec, slots=2, capacity=32, chunk=4)
+    with pytest.raises(ValueError, match="cache columns"):
+        engine.submit(Request(list(range(1, 30)), max_new_tokens=8))

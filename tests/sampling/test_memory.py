@@ -10,7 +10,8 @@ from jaxrl.config import QuantConfig
 from jaxrl.model.families import spec_from_hf_config
 from jaxrl.model.params import declare
 from jaxrl.quant.qparams import abstract_quantized_params
-from jaxrl.sampling import Decoding, choose_layer_loop, generate
+from jaxrl.sampling import choose_layer_loop
+from jaxrl.sampling.engine import generate, init_slots
 
 # ~45 MB of dense fp32 weights per layer, ~540 MB for the model (as in tests/quant/test_qlinear.py)
 MID = dict(model_type="llama", vocab_size=1024, hidden_size=1024, intermediate_size=2816,
@@ -26,11 +27,10 @@ def test_nf4_decode_keeps_one_dequantized_layer_at_a_time():
     layer = 4 * sum(math.prod(d.shape[1:]) for p, d in declare(spec).items()
                     if p.startswith("layers/") and p.endswith("/kernel"))
     cache = 2 * 4 * spec.num_layers * B * spec.num_kv_heads * (P + N) * spec.head_dim
-    sds = jax.ShapeDtypeStruct
-    compiled = generate.lower(
-        params, sds((B, P), jnp.int32), sds((B, P), bool), jax.random.PRNGKey(0),
-        sds((), jnp.int32), spec=spec, decoding=Decoding(temperature=1.0, top_p=0.9),
-        eos_ids=(2,), max_new_bucket=N, layer_loop="scan").compile()
+    state = jax.eval_shape(lambda p: init_slots(p, spec=spec, slots=B, capacity=P + N,
+                                                layer_loop="scan"), params)
+    compiled = generate.lower(state, params, None, spec=spec, eos_ids=(2,), steps=N,
+                              layer_loop="scan").compile()
     temp = compiled.memory_analysis().temp_size_in_bytes
     print(f"temp {temp / 2**20:.1f} MiB, one dense layer {layer / 2**20:.1f} MiB, "
           f"cache {cache / 2**20:.1f} MiB")

@@ -1,6 +1,6 @@
-"""The sampler on tiny random models: greedy parity with transformers for both layer loops,
-padding invariance, log-probs against teacher forcing, EOS and stop handling, NF4 + LoRA, seeds,
-and a bounded number of compiled programs."""
+"""`sample` (the decode engine underneath) on tiny random models: greedy parity with
+transformers for both layer loops, padding invariance, log-probs against teacher forcing, EOS and
+stop handling, NF4 + LoRA, seeds, and a bounded number of compiled programs."""
 import dataclasses
 
 import jax
@@ -14,7 +14,7 @@ from jaxrl.hf.load import load_params
 from jaxrl.lora.lora import init_lora
 from jaxrl.model.transformer import forward, positions_from_mask
 from jaxrl.quant.nf4 import QTensor, dequantize
-from jaxrl.sampling import generate, sample
+from jaxrl.sampling import engine, sample
 from tests.tiny_models import LLAMA3_ROPE, make_model
 
 GREEDY = SamplingConfig(temperature=0.0, max_new_tokens=64)
@@ -180,19 +180,20 @@ def test_unrolled_loop_with_lora_equals_the_scan(models):
 
 
 def test_compiles_one_program_per_bucket(models):
+    """sample's engine programs are keyed by shape buckets only: new lengths within the buckets
+    and new settings reuse them."""
     _, spec, params = models["qwen2-tied"]
-    cfg = SamplingConfig(temperature=0.5, top_k=7, max_new_tokens=5)  # settings no other test uses
-    before = generate._cache_size()
-    lengths = [3, 9, 16, 17, 30, 33]  # prompt buckets 16, 32, 64
-    for n, length in zip([5, 9, 16, 3, 12, 7], lengths):  # all in the 16 new-token bucket
-        prompt = list(range(3, 3 + length))
-        out = sample(params, spec, [prompt, prompt[:2]], jax.random.PRNGKey(0),
-                     dataclasses.replace(cfg, max_new_tokens=n))
+    run = lambda prompt, n, t: sample(params, spec, [prompt, prompt[:2]], jax.random.PRNGKey(0),
+                                      SamplingConfig(temperature=t, top_k=7, max_new_tokens=n))
+    sizes = lambda: (engine.generate._cache_size(), engine.admit._cache_size())
+    run(list(range(3, 6)), 5, 0.5)
+    before = sizes()
+    for n, length, t in zip([5, 9, 16, 3], [3, 9, 16, 12], [0.5, 0.0, 1.2, 0.8]):
+        out = run(list(range(3, 3 + length)), n, t)  # prompt bucket 16, new-token bucket 16
         assert out.tokens.shape == (2, n) and out.mask.all()
-    assert generate._cache_size() - before == 3
-    sample(params, spec, [[4, 5], [6]], jax.random.PRNGKey(0),
-           dataclasses.replace(cfg, max_new_tokens=17))
-    assert generate._cache_size() - before == 4  # new-token bucket 32
+    assert sizes() == before
+    run(list(range(3, 20)), 5, 0.5)  # prompt bucket 32: a new cache width
+    assert sizes()[0] == before[0] + 1
 
 
 def test_decoding_stops_early_once_every_row_has_finished(models):
