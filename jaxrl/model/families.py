@@ -13,6 +13,10 @@ from pathlib import Path
 from typing import Any, Mapping
 
 FAMILIES = ("llama", "qwen2", "qwen3")
+# The linears of a decoder layer, named as every family here names them in Hugging Face: LoRA
+# targets, quantization skips and the HF key table speak these names. Defined here, free of
+# jax, so that the run config can offer them as lora.targets.
+LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 # Fields with no effect on the forward pass.
 _HARMLESS = frozenset({

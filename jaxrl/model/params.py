@@ -14,9 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
+from jaxrl.model.families import LINEAR_NAMES as LINEAR_NAMES  # re-exported: the linears below
 from jaxrl.model.families import ModelSpec
-
-LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclasses.dataclass(frozen=True)
