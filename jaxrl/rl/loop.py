@@ -6,7 +6,6 @@ because the update of step t uses only the tokens and log-probs of its own rollo
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import time
 from pathlib import Path
@@ -17,27 +16,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl import distributed
-from jaxrl.checkpoint import trim_logs
 from jaxrl.config import Config
 from jaxrl.rewards.base import Sample
 from jaxrl.rl.advantages import compute_advantages
+from jaxrl.rl.rollout import Rollout, pack_rollout
 from jaxrl.rl.session import Session
 from jaxrl.rl.train_step import Batch
-from jaxrl.runlog import RunLog
+from jaxrl.runlog import RunLog, trim_logs
 from jaxrl.sampling.sampler import SampleOutput, sample
-
-
-@dataclasses.dataclass
-class Rollout:
-    """One step's prompts and completions, host side, plus timings and the reference pass."""
-
-    step: int
-    records: list[dict]  # P records, each repeated G times in the rows below
-    prompts: list[str]  # [B] rendered chat prompts
-    out: SampleOutput
-    seconds: float
-    ref_logp: jax.Array | None = None
-    ref_seconds: float = 0.0
 
 
 def _rows(out: SampleOutput) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -64,7 +50,7 @@ def _rollouts(s: Session, pulled: list[Rollout]) -> Iterator[Rollout]:
     g = s.cfg.grpo.num_generations
     resumed = s.pending is not None and s.start_step < s.cfg.run.steps
     if resumed:
-        pulled[:] = [Rollout(**s.pending)]
+        pulled[:] = [s.pending]
         yield pulled[0]
     for step in range(s.start_step + resumed, s.cfg.run.steps):
         records = next(s.data)[s.prompts]  # this process's prompts, all G rows of each
@@ -167,7 +153,7 @@ def train(cfg: Config, log: Callable[[str], None] = print) -> Path:
                 every = cfg.logging.samples_every
                 if every and (rollout.step + 1) % every == 0:
                     runlog.log_samples(rollout.step + 1, _sample_rows(rollout, scored))
-                ahead = pulled[0] if pulled[0].step == rollout.step + 1 else None
+                ahead = pack_rollout(pulled[0]) if pulled[0].step == rollout.step + 1 else None
                 s.checkpoints.after_step(rollout.step + 1, s.state, s.key, s.data, ahead)
                 s.progress(rollout.step + 1, metrics)
             s.checkpoints.finish(cfg.run.steps, s.state)

@@ -11,17 +11,19 @@ import jax.numpy as jnp
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from jaxrl import distributed
-from jaxrl.checkpoint import Checkpoints, start_lora
+from jaxrl.checkpoint import Checkpoints
 from jaxrl.config import Config
 from jaxrl.data.pipeline import build_pool, train_iterator
 from jaxrl.data.prompts import prompt_fits
 from jaxrl.hf.default_model import resolve_model_path
 from jaxrl.hf.tokenizer import (chat_prompt_text, detokenizer, eos_token_ids, load_tokenizer,
                                 text_ids)
+from jaxrl.lora.start import start_lora
 from jaxrl.model.families import load_spec
 from jaxrl.quant.qparams import dequantize_strategy
 from jaxrl.rewards.pool import RewardPool, pipelined
 from jaxrl.rl.logprobs import token_logprobs
+from jaxrl.rl.rollout import unpack_rollout
 from jaxrl.rl.train_step import StepOptions, compile_train_step, init_train_state, make_optimizer
 from jaxrl.sharding import place, step_shardings
 
@@ -74,11 +76,12 @@ class Session:
         pool = build_pool(cfg.data, keep=prompt_fits(self.tokenizer, cfg.data.max_prompt_tokens))
         self.data = train_iterator(pool, cfg.data)
         self.checkpoints = Checkpoints(cfg, model_dir, self.spec, log)
-        self.start_step, self.pending = 0, None  # pending: Rollout fields sampled before a stop
+        self.start_step, self.pending = 0, None  # pending: the Rollout sampled before a stop
         restored = self.checkpoints.restore(self.state, self.data)
         if restored is not None:
-            self.state, self.key = restored.state, restored.key
-            self.start_step, self.pending = restored.step, restored.pending
+            self.state, self.key, self.start_step = restored.state, restored.key, restored.step
+            if restored.pending is not None:
+                self.pending = unpack_rollout(*restored.pending)
         if shardings is not None:
             self.state = place(self.state, shardings[0][0])
         self.rewards = RewardPool(cfg)

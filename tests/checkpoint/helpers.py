@@ -11,7 +11,7 @@ import numpy as np
 from jaxrl.config import Config, from_dict
 from jaxrl.data.pipeline import build_pool, train_iterator
 from jaxrl.lora.lora import init_lora
-from jaxrl.rl.loop import Rollout
+from jaxrl.rl.rollout import Rollout
 from jaxrl.rl.train_step import init_train_state, make_optimizer
 from jaxrl.sampling.sampler import SampleOutput
 

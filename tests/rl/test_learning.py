@@ -10,7 +10,8 @@ from jaxrl.lora.lora import init_lora
 from jaxrl.model.families import spec_from_hf_config
 from jaxrl.model.params import init_params
 from jaxrl.rl.advantages import compute_advantages
-from jaxrl.rl.loop import Rollout, make_batch
+from jaxrl.rl.loop import make_batch
+from jaxrl.rl.rollout import Rollout
 from jaxrl.rl.train_step import StepOptions, compile_train_step, init_train_state, make_optimizer
 from jaxrl.sampling.sampler import sample
 from tests.tiny_models import hf_config
