@@ -44,14 +44,13 @@ def make_batch(rollout: Rollout, advantages: np.ndarray, keep: np.ndarray,
     return Batch(*rows, ref_logp=rollout.ref_logp)
 
 
-def _rollouts(s: Session, pulled: list[Rollout]) -> Iterator[Rollout]:
+def _rollouts(s: Session) -> Iterator[Rollout]:
     """Each pull runs one rollout with the adapter as it is at that moment (a resumed run first
-    yields the rollout its checkpoint saved); the latest pulled is kept in `pulled[0]`."""
+    yields the rollout its checkpoint saved)."""
     g = s.cfg.grpo.num_generations
     resumed = s.pending is not None and s.start_step < s.cfg.run.steps
     if resumed:
-        pulled[:] = [s.pending]
-        yield pulled[0]
+        yield s.pending
     for step in range(s.start_step + resumed, s.cfg.run.steps):
         records = next(s.data)[s.prompts]  # this process's prompts, all G rows of each
         prompts = [s.render(r) for r in records for _ in range(g)]
@@ -59,9 +58,8 @@ def _rollouts(s: Session, pulled: list[Rollout]) -> Iterator[Rollout]:
         out = sample(s.params, s.spec, [s.prompt_ids(p) for p in prompts],
                      jax.random.fold_in(s.key, step), s.cfg.sampling, lora=s.state.lora,
                      eos_ids=s.eos_ids, detokenize=s.detokenize, shardings=s.rules)
-        pulled[:] = [Rollout(step, [r for r in records for _ in range(g)], prompts, out,
-                             time.perf_counter() - start)]
-        yield pulled[0]
+        yield Rollout(step, [r for r in records for _ in range(g)], prompts, out,
+                      time.perf_counter() - start)
 
 
 def _reference(s: Session) -> Callable[[Rollout], None]:
@@ -138,10 +136,9 @@ def train(cfg: Config, log: Callable[[str], None] = print) -> Path:
     log(f"run directory: {runlog.dir.resolve()}")
     with Session(cfg, log) as s:
         trim_logs(runlog.dir, s.start_step, log)
-        pulled: list[Rollout] = []
         try:
             last = time.perf_counter()
-            for rollout, scored in s.pipelined(_rollouts(s, pulled), _samples, _reference(s)):
+            for rollout, scored, ahead in s.pipelined(_rollouts(s), _samples, _reference(s)):
                 adv, update, update_s = _update(s, rollout, scored)
                 now = time.perf_counter()
                 seconds = {"time/update": update_s, "time/step": now - last}
@@ -153,8 +150,8 @@ def train(cfg: Config, log: Callable[[str], None] = print) -> Path:
                 every = cfg.logging.samples_every
                 if every and (rollout.step + 1) % every == 0:
                     runlog.log_samples(rollout.step + 1, _sample_rows(rollout, scored))
-                ahead = pack_rollout(pulled[0]) if pulled[0].step == rollout.step + 1 else None
-                s.checkpoints.after_step(rollout.step + 1, s.state, s.key, s.data, ahead)
+                s.checkpoints.after_step(rollout.step + 1, s.state, s.key, s.data,
+                                         None if ahead is None else pack_rollout(ahead))
                 s.progress(rollout.step + 1, metrics)
             s.checkpoints.finish(cfg.run.steps, s.state)
         finally:

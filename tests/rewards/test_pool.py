@@ -84,8 +84,9 @@ def _run_steps(pool, steps, seconds, max_staleness, events):
 
     start = time.monotonic()
     batches = []
-    for step, batch in pipelined(pool, rollouts(), lambda s: _samples(*["x"] * 4), max_staleness):
-        events.append(f"update {step}")
+    for step, batch, ahead in pipelined(pool, rollouts(), lambda s: _samples(*["x"] * 4),
+                                        max_staleness):
+        events.append(f"update {step} ahead {ahead}")
         batches.append(batch)
     return time.monotonic() - start, batches
 
@@ -98,8 +99,10 @@ def test_max_staleness_one_overlaps_rollout_and_reward(registered, monkeypatch):
         overlapped, batches = _run_steps(pool, steps, seconds, 1, stale_events)
         serial, _ = _run_steps(pool, steps, seconds, 0, fresh_events)
     assert overlapped / serial < 0.8  # ~ (steps + 1) / (2 * steps) = 0.625
-    assert stale_events[:4] == ["rollout 0", "rollout 1", "update 0", "rollout 2"]
-    assert fresh_events[:3] == ["rollout 0", "update 0", "rollout 1"]
+    assert stale_events == ["rollout 0", "rollout 1", "update 0 ahead 1", "rollout 2",
+                            "update 1 ahead 2", "rollout 3", "update 2 ahead 3",
+                            "update 3 ahead None"]
+    assert fresh_events[:3] == ["rollout 0", "update 0 ahead None", "rollout 1"]
     assert all(b.metrics["rewards/overlap"] > 0.5 for b in batches[:-1])
 
 
