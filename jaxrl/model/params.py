@@ -88,10 +88,6 @@ def abstract_params(spec: ModelSpec, dtype=jnp.float32) -> dict[str, Any]:
     return unflatten({k: jax.ShapeDtypeStruct(p.shape, dtype) for k, p in declare(spec).items()})
 
 
-def logical_axes(spec: ModelSpec) -> dict[str, Any]:
-    return unflatten({k: p.axes for k, p in declare(spec).items()})
-
-
 def init_params(spec: ModelSpec, key: jax.Array, dtype=jnp.float32, std: float = 0.02):
     """Random params (normal(std) for matrices, ones for norms, zeros for biases)."""
     decls = declare(spec)

@@ -17,6 +17,7 @@ import numpy as np
 
 from jaxrl import distributed
 from jaxrl.config import Config
+from jaxrl.model.transformer import positions_from_mask
 from jaxrl.rewards.base import Sample
 from jaxrl.rl.advantages import compute_advantages
 from jaxrl.rl.rollout import Rollout, pack_rollout
@@ -30,8 +31,7 @@ def _rows(out: SampleOutput) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """tokens, attention mask and positions [B, P + N] of prompt + completion."""
     tokens = np.concatenate([out.prompt_tokens, out.tokens], axis=1)
     mask = np.concatenate([out.prompt_mask, out.mask], axis=1)
-    positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
-    return tokens.astype(np.int32), mask, positions.astype(np.int32)
+    return tokens.astype(np.int32), mask, np.asarray(positions_from_mask(mask))
 
 
 def make_batch(rollout: Rollout, advantages: np.ndarray, keep: np.ndarray,
