@@ -1,6 +1,4 @@
 """GRPO learns: a tiny random model raises a synthetic reward from chance to above 0.8."""
-import time
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,7 +19,6 @@ TARGET, PROMPTS, G, NEW = 7, 4, 8, 8
 
 def test_grpo_raises_reward_from_chance_to_above_0_8():
     """reward = share of completion tokens equal to TARGET; chance is 1/128."""
-    start = time.perf_counter()
     spec = spec_from_hf_config(hf_config("llama").to_dict())
     # std 0.2, not 0.02: with a near-zero frozen LM head no adapter can move the logits far
     # enough (RMS-normed hidden states times tiny head rows), and nothing could be learned
@@ -48,4 +45,3 @@ def test_grpo_raises_reward_from_chance_to_above_0_8():
         state, _ = step_fn(state, params, batch)
     assert history[0] < 0.1, history[:3]  # near chance at the start
     assert np.mean(history[-3:]) > 0.8, history
-    assert time.perf_counter() - start < 120, "well under a minute on an idle 2-core machine"
