@@ -15,15 +15,13 @@ _OUT_ARRAYS = ("prompt_tokens", "prompt_mask", "tokens", "mask", "logprobs")
 
 @dataclasses.dataclass
 class Rollout:
-    """One step's prompts and completions, host side, plus timings and the reference pass."""
+    """One step's prompts and completions, host side, plus the reference pass's log-probs."""
 
     step: int
     records: list[dict]  # P records, each repeated G times in the rows below
     prompts: list[str]  # [B] rendered chat prompts
     out: SampleOutput
-    seconds: float
     ref_logp: jax.Array | None = None
-    ref_seconds: float = 0.0
 
 
 def pack_rollout(rollout: Rollout) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
@@ -34,8 +32,7 @@ def pack_rollout(rollout: Rollout) -> tuple[dict[str, np.ndarray], dict[str, Any
         arrays["ref_logp"] = np.asarray(rollout.ref_logp)
     info = {"step": rollout.step, "records": rollout.records, "prompts": rollout.prompts,
             "finish_reasons": list(out.finish_reasons),
-            "texts": None if out.texts is None else list(out.texts),
-            "seconds": rollout.seconds, "ref_seconds": rollout.ref_seconds}
+            "texts": None if out.texts is None else list(out.texts)}
     return arrays, info
 
 
@@ -45,5 +42,4 @@ def unpack_rollout(arrays: dict[str, np.ndarray], info: dict[str, Any]) -> Rollo
     out = SampleOutput(**{name: arrays[name] for name in _OUT_ARRAYS},
                        finish_reasons=tuple(info["finish_reasons"]),
                        texts=None if info["texts"] is None else tuple(info["texts"]))
-    return Rollout(info["step"], info["records"], info["prompts"], out, info["seconds"],
-                   arrays.get("ref_logp"), info["ref_seconds"])
+    return Rollout(info["step"], info["records"], info["prompts"], out, arrays.get("ref_logp"))

@@ -40,7 +40,7 @@ def test_grpo_raises_reward_from_chance_to_above_0_8():
         if np.mean(history[-3:]) > 0.8:
             break
         adv = compute_advantages(jnp.asarray(rewards, jnp.float32), G)
-        batch = make_batch(Rollout(step, [], [], out, 0.0), np.asarray(adv.advantages),
+        batch = make_batch(Rollout(step, [], [], out), np.asarray(adv.advantages),
                            np.asarray(adv.keep))
         state, _ = step_fn(state, params, batch)
     assert history[0] < 0.1, history[:3]  # near chance at the start
