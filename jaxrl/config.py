@@ -2,7 +2,8 @@
 
 Every key's type comes from its annotation and every bound or choice is declared once, in the
 field's metadata; one generic validator walks them, so adding a key is a one-line change.
-List-valued keys are stored as tuples (immutable, hashable) and written back as lists.
+List-valued keys are stored as tuples (immutable, hashable) and written back as lists. Reward
+workers import this module, so it imports no jax.
 """
 import dataclasses
 import difflib
@@ -19,8 +20,7 @@ from jaxrl.model.families import LINEAR_NAMES
 
 DTYPES = ("float32", "bfloat16")
 QUANT_MODES = ("nf4", "int4", "none")
-# jaxrl.quant.nf4.SCALE_DTYPES; repeated because importing nf4 would import jax, which the
-# reward workers (they import this module) must not (tests/test_config.py keeps the two equal)
+# = quant.nf4.SCALE_DTYPES (a test keeps them equal): importing nf4 would import jax here
 SCALE_DTYPES = ("float32", "bfloat16")
 LOSS_AGGS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
 REWARD_SCALINGS = ("group", "batch", "none")  # rl/advantages.py says what each one does
