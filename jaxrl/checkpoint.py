@@ -2,11 +2,12 @@
 
 A checkpoint of step t (t updates applied) holds what the run needs to go on exactly as if it had
 not stopped: the train state (LoRA, optimizer state, counters), the PRNG key, the data iterator's
-position and, with `rewards.max_staleness: 1`, the pending rollout of step t+1, which was sampled
-with the adapter from before update t while step t was scored (sampling it again after a resume
-would need that older adapter). Base weights are not saved; the checkpoint names its base (its
-path and a sha256 of its config.json and safetensors headers, see `base_identity`) and the config
-values that fix the saved shapes; a resume with another base or other values is refused.
+position and, with `rewards.max_staleness: 1`, the pending rollout of step t+1 (as
+jaxrl/rl/rollout.py packs it), which was sampled with the adapter from before update t while
+step t was scored (sampling it again after a resume would need that older adapter). Base weights
+are not saved; the checkpoint names its base (its path and a sha256 of its config.json and
+safetensors headers, see `base_identity`) and the config values that fix the saved shapes; a
+resume with another base or other values is refused.
 
 orbax writes each step into a temporary directory and renames it when complete, so a process
 killed mid-save leaves the previous checkpoints intact and at most an unfinished
@@ -20,8 +21,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import hashlib
-import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,10 +34,8 @@ from jax.experimental import multihost_utils
 from jaxrl.config import Config, ConfigError, from_dict, to_dict
 from jaxrl.hf.export import write_peft_adapter
 from jaxrl.hf.load import shard_files
-from jaxrl.lora.lora import Lora, init_lora
-from jaxrl.lora.peft_io import AdapterError, load_peft_adapter
+from jaxrl.lora.lora import Lora
 from jaxrl.model.families import ModelSpec
-from jaxrl.sampling.sampler import SampleOutput
 
 FORMAT = 1
 CHECKPOINTS, ADAPTER = "checkpoints", "adapter"
@@ -47,7 +44,9 @@ FIXED = ("quant.mode", "quant.block_size", "quant.double_quant", "quant.scale_dt
          "quant.skip", "lora.rank", "lora.alpha", "lora.targets", "data.prompts_per_step",
          "grpo.num_generations")
 SAMPLE_BYTES = 1 << 20
-_OUT_ARRAYS = ("prompt_tokens", "prompt_mask", "tokens", "mask", "logprobs")
+# What a trainer keeps across steps beyond its train state, saved as given: (host arrays, JSON
+# info), e.g. GRPO's pending rollout (jaxrl/rl/rollout.py).
+Pending = tuple[dict[str, np.ndarray], dict[str, Any]]
 
 
 class CheckpointError(RuntimeError):
@@ -94,30 +93,6 @@ def _nest(flat: dict[str, Any]) -> dict[str, Any]:
 def _fixed(cfg: Config) -> dict[str, Any]:
     values = to_dict(cfg)
     return {key: values[key.split(".")[0]][key.split(".")[1]] for key in FIXED}
-
-
-def pack_rollout(rollout) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """(arrays, JSON info) of a loop Rollout."""
-    out = rollout.out
-    arrays = {name: np.asarray(getattr(out, name)) for name in _OUT_ARRAYS}
-    if rollout.ref_logp is not None:
-        arrays["ref_logp"] = np.asarray(rollout.ref_logp)
-    info = {"step": rollout.step, "records": rollout.records, "prompts": rollout.prompts,
-            "finish_reasons": list(out.finish_reasons),
-            "texts": None if out.texts is None else list(out.texts),
-            "seconds": rollout.seconds, "ref_seconds": rollout.ref_seconds}
-    return arrays, info
-
-
-def unpack_rollout(arrays: dict[str, np.ndarray], info: dict[str, Any]) -> dict[str, Any]:
-    """The fields of the Rollout that `pack_rollout` saved."""
-    out = SampleOutput(**{name: arrays[name] for name in _OUT_ARRAYS},
-                       finish_reasons=tuple(info["finish_reasons"]),
-                       texts=None if info["texts"] is None else tuple(info["texts"]))
-    ref = arrays.get("ref_logp")
-    return {"step": info["step"], "records": info["records"], "prompts": info["prompts"],
-            "out": out, "seconds": info["seconds"], "ref_seconds": info["ref_seconds"],
-            "ref_logp": ref}  # host arrays: the programs place them as their shardings say
 
 
 def _manager(directory: Path, keep: int | None = None) -> ocp.CheckpointManager:
@@ -180,7 +155,7 @@ class Restored:
     step: int
     state: Any  # the train state, on the devices of the template it was restored into
     key: jax.Array
-    pending: dict[str, Any] | None  # Rollout fields of the rollout sampled before the stop
+    pending: Pending | None  # as `after_step` was given it
 
 
 def _check_meta(meta: dict[str, Any], cfg: Config, base: dict[str, str], where: Path) -> None:
@@ -292,15 +267,16 @@ class Checkpoints:
                 self._set_aside(later, "superseded")
         pending = None
         if meta["pending"] is not None:
-            arrays = {k.removeprefix("pending/"): v for k, v in flat.items()
-                      if k.startswith("pending/")}
-            pending = unpack_rollout(arrays, meta["pending"])
+            pending = ({k.removeprefix("pending/"): v for k, v in flat.items()
+                        if k.startswith("pending/")}, meta["pending"])
         self.log(f"resuming from {where} (step {step})")
         return Restored(step, state, jnp.asarray(flat["key"]), pending)
 
-    def after_step(self, step: int, state, key: jax.Array, data, pending=None) -> None:
+    def after_step(self, step: int, state, key: jax.Array, data,
+                   pending: Pending | None = None) -> None:
         """Save checkpoint `step` when `checkpoint.every` says so (and at the last step), with
-        the rollout already sampled for the next step, and export its adapter."""
+        `pending` (e.g. the rollout already sampled for the next step), and export its
+        adapter."""
         every = self.every
         if not every or (step % every and step != self.cfg.run.steps):
             return
@@ -309,7 +285,7 @@ class Checkpoints:
                   "key": np.asarray(jax.device_get(key))}
         info = None
         if pending is not None:
-            pending_arrays, info = pack_rollout(pending)
+            pending_arrays, info = pending
             arrays.update({f"pending/{k}": v for k, v in pending_arrays.items()})
         meta = {"format": FORMAT, "step": step, "base": self.base, "fixed": _fixed(self.cfg),
                 "data": data.get_state(), "pending": info, "config": to_dict(self.cfg)}
@@ -353,46 +329,6 @@ def adapter_base_name(cfg: Config, base: dict[str, str]) -> str:
     """base_model_name_or_path of an export: model.path as given (a hub id or a directory),
     the prepared directory for `default` (its weights are what the adapter was trained on)."""
     return base["dir"] if cfg.model.path == "default" else cfg.model.path
-
-
-def start_lora(cfg: Config, spec: ModelSpec, key: jax.Array) -> Lora:
-    """A fresh adapter, or the PEFT adapter of `lora.init_from` when set (its rank, targets
-    and scale must be the config's, which the checkpoints and exports record)."""
-    lora_cfg = cfg.lora
-    if not lora_cfg.init_from:
-        return init_lora(spec, key, rank=lora_cfg.rank, alpha=lora_cfg.alpha,
-                         targets=lora_cfg.targets, dropout=lora_cfg.dropout)
-    try:
-        lora = load_peft_adapter(lora_cfg.init_from, spec)
-    except (AdapterError, OSError, json.JSONDecodeError) as error:
-        raise ConfigError(f"config key 'lora.init_from': {error}") from None
-    scale = lora_cfg.alpha / lora_cfg.rank
-    if (lora.rank, set(lora.targets)) != (lora_cfg.rank, set(lora_cfg.targets)) or not np.isclose(
-            lora.scale, scale, rtol=1e-6):
-        raise ConfigError(
-            f"config key 'lora.init_from' = {lora_cfg.init_from!r} has rank {lora.rank}, targets "
-            f"{','.join(lora.targets)} and scale {lora.scale:g}; set lora.rank={lora.rank} "
-            f"lora.targets={','.join(lora.targets)} lora.alpha={lora.scale * lora.rank:g} "
-            f"(the config gives rank {lora_cfg.rank}, targets {','.join(lora_cfg.targets)}, "
-            f"scale {scale:g})")
-    return dataclasses.replace(lora, dropout=lora_cfg.dropout)
-
-
-def trim_logs(run_dir: Path, step: int, log: Callable[[str], None] = print) -> None:
-    """Drop rows past `step` from metrics.jsonl and samples.jsonl: the run continues from the
-    checkpoint of `step`, so later rows belong to a run that was lost."""
-    for name in ("metrics.jsonl", "samples.jsonl"):
-        path = run_dir / name
-        if not path.is_file():
-            continue
-        lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
-        kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
-        if len(kept) == len(lines):
-            continue
-        tmp = path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(kept), encoding="utf-8")
-        os.replace(tmp, path)
-        log(f"{path}: dropped {len(lines) - len(kept)} rows past step {step}")
 
 
 def load_run_lora(run_dir: Path, step: int | None = None, log: Callable[[str], None] = print,

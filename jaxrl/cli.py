@@ -46,9 +46,10 @@ def _exit_code(error: BaseException) -> int | None:
     from jaxrl.hf.tokenizer import TokenizerError
     from jaxrl.lora.peft_io import AdapterError
     from jaxrl.model.families import ModelConfigError
+    from jaxrl.quant.qparams import BlockSizeError
 
     usage = (ConfigError, UsageError, ModelPathError, TokenizerError, AdapterError,
-             GeneratorError)
+             GeneratorError, BlockSizeError)
     runtime = (ModelConfigError, KeyMapError, SafetensorsError, DefaultModelError,
                FileNotFoundError, CheckpointError)
     if isinstance(error, usage):

@@ -2,7 +2,8 @@
 
 Every key's type comes from its annotation and every bound or choice is declared once, in the
 field's metadata; one generic validator walks them, so adding a key is a one-line change.
-List-valued keys are stored as tuples (immutable, hashable) and written back as lists.
+List-valued keys are stored as tuples (immutable, hashable) and written back as lists. Reward
+workers import this module, so it imports no jax.
 """
 import dataclasses
 import difflib
@@ -15,12 +16,14 @@ from pathlib import Path
 
 import yaml
 
+from jaxrl.model.families import LINEAR_NAMES
+
 DTYPES = ("float32", "bfloat16")
 QUANT_MODES = ("nf4", "int4", "none")
+# = quant.nf4.SCALE_DTYPES (a test keeps them equal): importing nf4 would import jax here
 SCALE_DTYPES = ("float32", "bfloat16")
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LOSS_AGGS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
-REWARD_SCALINGS = ("group", "batch", "none")
+REWARD_SCALINGS = ("group", "batch", "none")  # rl/advantages.py says what each one does
 SCHEDULES = ("constant", "cosine")
 
 _STRS = tuple[str, ...]
@@ -102,7 +105,7 @@ class LoraConfig(_Group):
     """The trainable low-rank adapters."""
     rank: int = _setting(16, ge=1)
     alpha: float = _setting(32.0, gt=0)
-    targets: _STRS = _setting(LORA_TARGETS, choices=LORA_TARGETS, nonempty=True)
+    targets: _STRS = _setting(LINEAR_NAMES, choices=LINEAR_NAMES, nonempty=True)
     dropout: float = _setting(0.0, ge=0, lt=1)
     init_from: str = ""  # a PEFT adapter directory to start from; "" = a fresh adapter
 

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from jaxrl.config import Config, dump_yaml
 from jaxrl.report import write_report
@@ -53,3 +54,20 @@ class RunLog:
         if not self.metrics_path.exists():
             return None
         return write_report(self.metrics_path, self.dir / "report.png")
+
+
+def trim_logs(run_dir: Path, step: int, log: Callable[[str], None] = print) -> None:
+    """Drop rows past `step` from metrics.jsonl and samples.jsonl: the run continues from the
+    checkpoint of `step`, so later rows belong to a run that was lost."""
+    for name in ("metrics.jsonl", "samples.jsonl"):
+        path = run_dir / name
+        if not path.is_file():
+            continue
+        lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+        kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
+        if len(kept) == len(lines):
+            continue
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(kept), encoding="utf-8")
+        os.replace(tmp, path)
+        log(f"{path}: dropped {len(lines) - len(kept)} rows past step {step}")

@@ -2,6 +2,7 @@
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from jaxrl.cli import main
@@ -37,6 +38,21 @@ def test_model_info_unsupported_architecture_exits_1(tmp_path, capsys):
     (tmp_path / "config.json").write_text(cfg)
     assert main(["model", "info", str(tmp_path)]) == 1
     assert "hidden_act 'gelu'" in capsys.readouterr().err
+
+
+def test_model_info_on_an_incomplete_checkpoint_exits_1_naming_the_missing_key(tmp_path,
+                                                                               capsys):
+    from jaxrl.hf.safetensors_io import iter_tensors, write_tensors
+
+    make_model("llama").save_pretrained(tmp_path / "whole")
+    tensors = {k: np.array(v) for k, v in iter_tensors(tmp_path / "whole/model.safetensors")}
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    (tmp_path / "cut").mkdir()
+    (tmp_path / "cut/config.json").write_text((tmp_path / "whole/config.json").read_text())
+    write_tensors(tmp_path / "cut/model.safetensors", tensors)
+    assert main(["model", "info", str(tmp_path / "cut")]) == 1
+    assert "misses 1 keys, e.g. ['model.layers.1.mlp.down_proj.weight']" in capsys.readouterr().err
+    assert main(["model", "info", str(tmp_path / "whole")]) == 0
 
 
 def test_unknown_verb_exits_2():

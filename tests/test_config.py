@@ -1,6 +1,8 @@
 """Tests for jaxrl.config: defaults, YAML loading, overrides, validation messages, secrets."""
 import dataclasses
 import re
+import subprocess
+import sys
 
 import pytest
 import yaml
@@ -344,3 +346,16 @@ def test_to_dict_is_plain_and_feeds_from_dict():
     assert d["lora"]["targets"] == list(Config().lora.targets)
     assert yaml.safe_load(yaml.safe_dump(d)) == d
     assert from_dict(d) == Config()
+
+
+def test_scale_dtypes_are_the_ones_nf4_quantizes_to():
+    from jaxrl import config
+    from jaxrl.quant import nf4
+
+    assert config.SCALE_DTYPES == nf4.SCALE_DTYPES
+
+
+def test_config_imports_no_jax():
+    """Reward workers import the config; they never import jax (DESIGN.md)."""
+    code = "import sys, jaxrl.config; assert 'jax' not in sys.modules, 'jax was imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

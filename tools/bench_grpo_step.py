@@ -100,7 +100,8 @@ class JaxrlRunner:
         import jax
 
         from jaxrl.rl.advantages import compute_advantages
-        from jaxrl.rl.loop import Rollout, make_batch
+        from jaxrl.rl.loop import make_batch
+        from jaxrl.rl.rollout import Rollout
         from jaxrl.sampling.sampler import sample
 
         start = time.perf_counter()
@@ -109,7 +110,7 @@ class JaxrlRunner:
         assert out.mask.all(), "EOS is ignored, so every row decodes every token"
         sampled = time.perf_counter()
         adv = compute_advantages(np.asarray(distinct_chars(out.texts), np.float32), GROUP)
-        batch = make_batch(Rollout(i, [], [], out, 0.0), np.asarray(adv.advantages),
+        batch = make_batch(Rollout(i, [], [], out), np.asarray(adv.advantages),
                            np.asarray(adv.keep))
         ref = self.reference(self.params, batch.tokens, batch.attn_mask, batch.positions,
                              out.tokens.shape[1]).block_until_ready()

@@ -59,8 +59,8 @@ def _run(cfg: Config, args, staleness: int) -> dict:
     with RewardPool(cfg, FUNCTIONS) as pool:
         pool.score([_sample(-1, i) for i in range(3)])  # workers up, sandbox probed
         start = time.monotonic()
-        metrics = [m for _, m in ((b, s.metrics) for b, s in pipelined(
-            pool, rollouts(), lambda b: b, staleness, lambda b: time.sleep(args.ref_s)))]
+        metrics = [scored.metrics for _, scored, _ in pipelined(
+            pool, rollouts(), lambda b: b, staleness, lambda b: time.sleep(args.ref_s))]
         wall = time.monotonic() - start
     return {"wall_s": wall, "overlap": statistics.mean(m["rewards/overlap"] for m in metrics),
             "wait_s": statistics.mean(m["rewards/wait_s"] for m in metrics),

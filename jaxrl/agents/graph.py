@@ -150,14 +150,6 @@ class CausalGraph:
         return "\n".join(lines)
 
 
-def graph_from_json(data: dict[str, Any]) -> CausalGraph:
-    graph = CausalGraph()
-    for fields in data["nodes"]:
-        graph.nodes[fields["id"]] = Node(**fields)
-    graph.edges = [Edge(**e) for e in data["edges"]]
-    return graph
-
-
 def _check_confidence(what: str, confidence: float) -> None:
     if isinstance(confidence, bool) or not isinstance(confidence, (int, float)) \
             or not 0.0 <= confidence <= 1.0:

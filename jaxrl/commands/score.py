@@ -45,7 +45,7 @@ def _score(args) -> int:
         sys.stdout)
     with out_file as out, RewardPool(cfg, [RewardEntry(args.reward)]) as pool:
         scored = pipelined(pool, batches, lambda b: [sample_from_record(r) for r in b], 1)
-        for batch, result in scored:
+        for batch, result, _ in scored:
             for record, r in zip(batch, result.results[args.reward]):
                 line = {**record, "reward": r.value, "components": dict(r.components),
                         "info": dict(r.info)}

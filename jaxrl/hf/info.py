@@ -9,7 +9,8 @@ import numpy as np
 
 from jaxrl.config import QuantConfig
 from jaxrl.hf.default_model import resolve_model_path
-from jaxrl.hf.load import shard_files
+from jaxrl.hf.keymap import check_keys
+from jaxrl.hf.load import checkpoint_keys, shard_files
 from jaxrl.hf.safetensors_io import DTYPES, read_header
 from jaxrl.model.families import load_spec
 from jaxrl.model.params import count_params, declare, flatten
@@ -49,6 +50,7 @@ def memory_rows(spec, quant: QuantConfig, dtype: str) -> list[tuple[str, str]]:
 def describe(path: str, quant: QuantConfig | None = None, dtype: str = "bfloat16") -> str:
     model_dir = resolve_model_path(path)
     spec = load_spec(model_dir)
+    check_keys(spec, checkpoint_keys(model_dir))  # refuse what loading the model would refuse
     dtypes = checkpoint_dtypes(model_dir)
     rope = "default" if spec.rope_scaling is None else f"llama3 x{spec.rope_scaling.factor:g}"
     rows = [

@@ -6,6 +6,7 @@ linear weights [out, in]; jaxrl stores kernels [in, out], hence `transpose`.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 
 from jaxrl.model.families import ModelSpec
 from jaxrl.model.params import LINEAR_NAMES, declare
@@ -66,6 +67,25 @@ def key_table(spec: ModelSpec) -> dict[str, Slot]:
         layers = range(spec.num_layers) if rule.per_layer else [None]
         for i in layers:
             table[rule.hf.format(i=i)] = Slot(path, i, rule.transpose)
+    return table
+
+
+def check_keys(spec: ModelSpec, keys: Iterable[str]) -> dict[str, Slot]:
+    """The key table of `spec`, once a checkpoint's `keys` (every shard's tensor names) match it
+    one to one; KeyMapError names a key that appears twice, maps to no param or is missing.
+    A tied model may still store lm_head.weight (the loader checks it equals the embedding)."""
+    table = key_table(spec)
+    seen: set[str] = set()
+    for key in keys:
+        if key in seen:
+            raise KeyMapError(f"checkpoint key {key!r} appears twice")
+        seen.add(key)
+        if key not in table and not (key == "lm_head.weight" and spec.tie_word_embeddings):
+            raise KeyMapError(f"checkpoint key {key!r} maps to no jaxrl param "
+                              f"(family {spec.family})")
+    missing = sorted(set(table) - seen)
+    if missing:
+        raise KeyMapError(f"checkpoint misses {len(missing)} keys, e.g. {missing[:5]}")
     return table
 
 

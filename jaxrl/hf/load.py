@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl.config import QuantConfig
-from jaxrl.hf.keymap import KeyMapError, Slot, key_table
-from jaxrl.hf.safetensors_io import iter_tensors
+from jaxrl.hf.keymap import KeyMapError, Slot, check_keys
+from jaxrl.hf.safetensors_io import iter_tensors, read_header
 from jaxrl.model.families import ModelSpec, load_spec
 from jaxrl.model.params import declare, unflatten
 from jaxrl.quant.nf4 import QTensor, quantize_np
@@ -44,6 +44,11 @@ def shard_files(model_dir: str | Path) -> list[Path]:
 def iter_checkpoint(model_dir: str | Path) -> Iterator[tuple[str, np.ndarray]]:
     for path in shard_files(model_dir):
         yield from iter_tensors(path)
+
+
+def checkpoint_keys(model_dir: str | Path) -> list[str]:
+    """Every shard's tensor names, from the headers alone (a name in two shards twice)."""
+    return [key for path in shard_files(model_dir) for key in read_header(path)]
 
 
 class _HostParams:
@@ -93,26 +98,16 @@ class _HostParams:
 
 def load_host_params(model_dir: str | Path, spec: ModelSpec, dtype=np.float32,
                      quant: QuantConfig | None = None) -> dict[str, Any]:
-    """Host params {path: array or QTensor}; raises on unmapped, missing or duplicate keys."""
-    table = key_table(spec)
+    """Host params {path: array or QTensor}; raises on unmapped, missing or duplicate keys
+    before any tensor is read."""
+    table = check_keys(spec, checkpoint_keys(model_dir))
     host = _HostParams(spec, np.dtype(dtype), quant)
-    seen: set[str] = set()
     tied_head = None
     for key, value in iter_checkpoint(model_dir):
-        if key in seen:
-            raise KeyMapError(f"checkpoint key {key!r} appears twice")
-        seen.add(key)
         if key == "lm_head.weight" and spec.tie_word_embeddings:
             tied_head = value  # HF ties it to the embedding; checked below
             continue
-        slot = table.get(key)
-        if slot is None:
-            raise KeyMapError(f"checkpoint key {key!r} maps to no jaxrl param "
-                              f"(family {spec.family})")
-        host.place(slot, key, value)
-    missing = sorted(set(table) - seen)
-    if missing:
-        raise KeyMapError(f"checkpoint misses {len(missing)} keys, e.g. {missing[:5]}")
+        host.place(table[key], key, value)
     params = host.finish()
     if tied_head is not None and not np.array_equal(
             np.asarray(tied_head, params["embed_tokens/embedding"].dtype),

@@ -13,20 +13,33 @@ from pathlib import Path
 from typing import Any, Mapping
 
 FAMILIES = ("llama", "qwen2", "qwen3")
+# The linears of a decoder layer, named as every family here names them in Hugging Face: LoRA
+# targets, quantization skips and the HF key table speak these names. Defined here, free of
+# jax, so that the run config can offer them as lora.targets.
+LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
-# Fields with no effect on the forward pass.
-_HARMLESS = frozenset({
+# The three sets of config.json fields the module docstring names; any other field is refused.
+# Read into the spec (spec_from_hf_config):
+_SPEC_FIELDS = frozenset({
+    "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta",
+    "rope_scaling", "rope_parameters", "tie_word_embeddings", "max_position_embeddings",
+    "bos_token_id", "eos_token_id",
+})
+# Change the math at some values, which _check_math_fields refuses (sliding_window and
+# max_window_layers act only with use_sliding_window):
+_CHECKED_FIELDS = frozenset({
+    "hidden_act", "attention_bias", "mlp_bias", "use_sliding_window", "sliding_window",
+    "max_window_layers", "use_mrope", "quantization_config", "layer_types",
+})
+# Bookkeeping, with no effect on the forward pass:
+_BOOKKEEPING_FIELDS = frozenset({
     "architectures", "transformers_version", "torch_dtype", "dtype", "initializer_range",
-    "use_cache", "pad_token_id", "bos_token_id", "eos_token_id", "output_hidden_states",
-    "output_attentions", "return_dict", "chunk_size_feed_forward", "is_encoder_decoder",
-    "id2label", "label2id", "problem_type", "_name_or_path", "model_type", "attention_dropout",
-    "pretraining_tp", "max_window_layers", "sliding_window", "tokenizer_class", "name_or_path",
-    "_attn_implementation_autoset", "_attn_implementation", "max_position_embeddings",
-    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-    "num_key_value_heads", "head_dim", "rms_norm_eps", "tie_word_embeddings", "rope_theta",
-    "rope_scaling", "rope_parameters", "hidden_act", "attention_bias", "mlp_bias",
-    "use_sliding_window", "layer_types", "unsloth_version", "use_mrope", "quantization_config",
-    "torchscript", "tf_legacy_loss", "pruned_heads", "tie_encoder_decoder", "add_cross_attention",
+    "use_cache", "pad_token_id", "output_hidden_states", "output_attentions", "return_dict",
+    "chunk_size_feed_forward", "is_encoder_decoder", "id2label", "label2id", "problem_type",
+    "_name_or_path", "attention_dropout", "pretraining_tp", "tokenizer_class", "name_or_path",
+    "_attn_implementation_autoset", "_attn_implementation", "unsloth_version", "torchscript",
+    "tf_legacy_loss", "pruned_heads", "tie_encoder_decoder", "add_cross_attention",
     "cross_attention_hidden_size", "task_specific_params", "finetuning_task", "prefix",
     "sep_token_id", "decoder_start_token_id", "is_decoder",
 })
@@ -92,7 +105,8 @@ def _require_false(cfg: Mapping[str, Any], key: str, why: str) -> None:
 
 
 def _check_math_fields(cfg: Mapping[str, Any], family: str) -> None:
-    unknown = sorted(k for k in cfg if k not in _HARMLESS)
+    known = _SPEC_FIELDS | _CHECKED_FIELDS | _BOOKKEEPING_FIELDS
+    unknown = sorted(k for k in cfg if k not in known)
     if unknown:
         raise ModelConfigError(
             f"config.json fields {unknown} are unknown to jaxrl and may change the model's math; "

@@ -14,9 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
+from jaxrl.model.families import LINEAR_NAMES as LINEAR_NAMES  # re-exported: the linears below
 from jaxrl.model.families import ModelSpec
-
-LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,10 +86,6 @@ def flatten(tree: dict[str, Any]) -> dict[str, Any]:
 def abstract_params(spec: ModelSpec, dtype=jnp.float32) -> dict[str, Any]:
     """ShapeDtypeStructs of the params: for memory planning and compiling without weights."""
     return unflatten({k: jax.ShapeDtypeStruct(p.shape, dtype) for k, p in declare(spec).items()})
-
-
-def logical_axes(spec: ModelSpec) -> dict[str, Any]:
-    return unflatten({k: p.axes for k, p in declare(spec).items()})
 
 
 def init_params(spec: ModelSpec, key: jax.Array, dtype=jnp.float32, std: float = 0.02):

@@ -4,18 +4,32 @@ Abstract params let memory plans and compile checks run for any model size witho
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 
-from jaxrl.config import ConfigError, QuantConfig
 from jaxrl.model.families import ModelSpec
 from jaxrl.model.params import abstract_params, declare, flatten, unflatten
 from jaxrl.quant.nf4 import DQ_GROUP, QTensor, dequantize, nbytes
 
 
-def quantized_paths(spec: ModelSpec, quant: QuantConfig | None) -> set[str]:
+class QuantSettings(Protocol):
+    """What this module reads of the run config's `quant` group (jaxrl.config.QuantConfig)."""
+    mode: str
+    block_size: int
+    double_quant: bool
+    scale_dtype: str
+    skip: tuple[str, ...]
+    dequantize: str
+
+
+class BlockSizeError(ValueError):
+    """The quantization block size does not divide a quantized kernel's input dim: the
+    settings do not fit the model (a usage error, like a bad config value)."""
+
+
+def quantized_paths(spec: ModelSpec, quant: QuantSettings | None) -> set[str]:
     """Param paths stored quantized: linear kernels whose module is not in `quant.skip`.
     Embeddings and norms are never quantized."""
     if quant is None or quant.mode == "none":
@@ -24,12 +38,13 @@ def quantized_paths(spec: ModelSpec, quant: QuantConfig | None) -> set[str]:
             if p.endswith("/kernel") and p.split("/")[-2] not in quant.skip}
 
 
-def abstract_qtensor(shape: tuple[int, ...], quant: QuantConfig, dtype=jnp.bfloat16) -> QTensor:
+def abstract_qtensor(shape: tuple[int, ...], quant: QuantSettings,
+                     dtype=jnp.bfloat16) -> QTensor:
     """A QTensor of ShapeDtypeStructs for a dense kernel of `shape` [..., I, O]."""
     *lead, n_in, n_out = shape
     if n_in % quant.block_size:
-        raise ConfigError(f"config key 'quant.block_size' = {quant.block_size} does not divide "
-                          f"a kernel's input dim {n_in}; pick a divisor (64 fits most models)")
+        raise BlockSizeError(f"quant.block_size = {quant.block_size} does not divide a kernel's "
+                             f"input dim {n_in}; pick a divisor (64 fits most models)")
     blocks = (*lead, n_in // quant.block_size, n_out)
     sds = jax.ShapeDtypeStruct
     codes = sds((*lead, n_in // 2, n_out), jnp.uint8)
@@ -42,7 +57,7 @@ def abstract_qtensor(shape: tuple[int, ...], quant: QuantConfig, dtype=jnp.bfloa
                    sds((*lead, groups), jnp.float32), sds(tuple(lead), jnp.float32))
 
 
-def abstract_quantized_params(spec: ModelSpec, quant: QuantConfig | None,
+def abstract_quantized_params(spec: ModelSpec, quant: QuantSettings | None,
                               dtype=jnp.bfloat16) -> dict[str, Any]:
     """The params pytree as ShapeDtypeStructs, with quantized kernels as abstract QTensors."""
     flat = flatten(abstract_params(spec, dtype))
@@ -58,7 +73,7 @@ def resident_bytes(params: dict[str, Any]) -> int:
                    params, is_leaf=lambda x: isinstance(x, QTensor)))
 
 
-def dequantize_strategy(quant: QuantConfig, backend: str | None = None) -> str:
+def dequantize_strategy(quant: QuantSettings, backend: str | None = None) -> str:
     """"per_layer" or "once" for quant.dequantize; "auto" resolves by backend (see config)."""
     if quant.dequantize != "auto":
         return quant.dequantize

@@ -191,25 +191,28 @@ class RewardPool:
 
 def pipelined(pool: RewardPool, batches: Iterable[B], samples_of: Callable[[B], Sequence[Sample]],
               max_staleness: int, overlap: Callable[[B], None] | None = None,
-              ) -> Iterator[tuple[B, ScoredBatch]]:
-    """Yield (batch, scores) with scoring overlapped with device work.
+              ) -> Iterator[tuple[B, ScoredBatch, B | None]]:
+    """Yield (batch, scores, ahead) with scoring overlapped with device work.
 
     `batches` is pulled lazily: pulling one runs its rollout. Each batch is submitted at once,
     then `overlap(batch)` runs (the reference log-prob pass). With max_staleness 0 the batch is
     collected next; with 1 the next batch's rollout runs first, while this one is scored, so
     the update of step t follows the rollout of step t+1 and must use the sampler's log-probs
-    as pi_old.
+    as pi_old. `ahead` is that next batch (submitted, its `overlap` done), None when there is
+    none: a checkpoint taken after the update of `batch` saves it.
     """
     if max_staleness not in (0, 1):
         raise ValueError(f"max_staleness must be 0 or 1; got {max_staleness!r}")
     pending: collections.deque = collections.deque()
+
+    def collect(keep: int):
+        while len(pending) > keep:
+            done, ticket = pending.popleft()
+            yield done, pool.collect(ticket), pending[0][0] if pending else None
+
     for batch in batches:
         pending.append((batch, pool.submit(samples_of(batch))))
         if overlap is not None:
             overlap(batch)
-        while len(pending) > max_staleness:
-            done, ticket = pending.popleft()
-            yield done, pool.collect(ticket)
-    while pending:
-        done, ticket = pending.popleft()
-        yield done, pool.collect(ticket)
+        yield from collect(max_staleness)
+    yield from collect(0)

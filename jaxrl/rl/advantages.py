@@ -23,7 +23,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-SCALINGS = ("group", "batch", "none")
+from jaxrl.config import REWARD_SCALINGS
+
 EPS = 1e-4
 
 
@@ -54,8 +55,9 @@ def zero_spread(rewards: jax.Array, num_generations: int) -> jax.Array:
 def group_advantages(rewards: jax.Array, num_generations: int, scale: str = "group",
                      eps: float = EPS) -> jax.Array:
     """[B] float32 advantages; see the module docstring for `scale` and the std estimator."""
-    if scale not in SCALINGS:
-        raise ValueError(f"scale_rewards must be one of {', '.join(SCALINGS)}; got {scale!r}")
+    if scale not in REWARD_SCALINGS:
+        raise ValueError(f"scale_rewards must be one of {', '.join(REWARD_SCALINGS)}; "
+                         f"got {scale!r}")
     r = _grouped(rewards, num_generations)  # [P, G]
     centered = r - r.mean(axis=1, keepdims=True)
     if scale == "group":

@@ -3,10 +3,16 @@
 With `rewards.max_staleness: 1` the rollout of step t+1 runs while step t is scored, so the
 update of step t follows it; pi_old is then the sampler's log-probs either way, which is exact
 because the update of step t uses only the tokens and log-probs of its own rollout.
+
+Timings: a step's row reports what its wall time (time/step, from the previous row to this one)
+went to, so its phases add up to it less the untimed host work (data, prompts, logging).
+time/rollout and time/reference are the sampling and reference passes run within it: with
+max_staleness 1 those of the next step (the first row also holds its own, the last row none).
+Each phase is timed until its results are ready, since JAX dispatches asynchronously.
 """
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import functools
 import time
 from pathlib import Path
@@ -17,35 +23,22 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl import distributed
-from jaxrl.checkpoint import trim_logs
 from jaxrl.config import Config
+from jaxrl.model.transformer import positions_from_mask
 from jaxrl.rewards.base import Sample
 from jaxrl.rl.advantages import compute_advantages
+from jaxrl.rl.rollout import Rollout, pack_rollout
 from jaxrl.rl.session import Session
 from jaxrl.rl.train_step import Batch
-from jaxrl.runlog import RunLog
+from jaxrl.runlog import RunLog, trim_logs
 from jaxrl.sampling.sampler import SampleOutput, sample
-
-
-@dataclasses.dataclass
-class Rollout:
-    """One step's prompts and completions, host side, plus timings and the reference pass."""
-
-    step: int
-    records: list[dict]  # P records, each repeated G times in the rows below
-    prompts: list[str]  # [B] rendered chat prompts
-    out: SampleOutput
-    seconds: float
-    ref_logp: jax.Array | None = None
-    ref_seconds: float = 0.0
 
 
 def _rows(out: SampleOutput) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """tokens, attention mask and positions [B, P + N] of prompt + completion."""
     tokens = np.concatenate([out.prompt_tokens, out.tokens], axis=1)
     mask = np.concatenate([out.prompt_mask, out.mask], axis=1)
-    positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
-    return tokens.astype(np.int32), mask, positions.astype(np.int32)
+    return tokens.astype(np.int32), mask, np.asarray(positions_from_mask(mask))
 
 
 def make_batch(rollout: Rollout, advantages: np.ndarray, keep: np.ndarray,
@@ -58,35 +51,52 @@ def make_batch(rollout: Rollout, advantages: np.ndarray, keep: np.ndarray,
     return Batch(*rows, ref_logp=rollout.ref_logp)
 
 
-def _rollouts(s: Session, pulled: list[Rollout]) -> Iterator[Rollout]:
+class _Phases:
+    """Seconds spent in each timed phase since the last `lap`."""
+
+    NAMES = ("time/rollout", "time/reference", "time/update")
+
+    def __init__(self):
+        self._seconds = dict.fromkeys(self.NAMES, 0.0)
+
+    @contextlib.contextmanager
+    def timing(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._seconds[name] += time.perf_counter() - start
+
+    def lap(self) -> dict[str, float]:
+        seconds, self._seconds = self._seconds, dict.fromkeys(self.NAMES, 0.0)
+        return seconds
+
+
+def _rollouts(s: Session, phases: _Phases) -> Iterator[Rollout]:
     """Each pull runs one rollout with the adapter as it is at that moment (a resumed run first
-    yields the rollout its checkpoint saved); the latest pulled is kept in `pulled[0]`."""
+    yields the rollout its checkpoint saved)."""
     g = s.cfg.grpo.num_generations
     resumed = s.pending is not None and s.start_step < s.cfg.run.steps
     if resumed:
-        pulled[:] = [Rollout(**s.pending)]
-        yield pulled[0]
+        yield s.pending
     for step in range(s.start_step + resumed, s.cfg.run.steps):
         records = next(s.data)[s.prompts]  # this process's prompts, all G rows of each
         prompts = [s.render(r) for r in records for _ in range(g)]
-        start = time.perf_counter()
-        out = sample(s.params, s.spec, [s.prompt_ids(p) for p in prompts],
-                     jax.random.fold_in(s.key, step), s.cfg.sampling, lora=s.state.lora,
-                     eos_ids=s.eos_ids, detokenize=s.detokenize, shardings=s.rules)
-        pulled[:] = [Rollout(step, [r for r in records for _ in range(g)], prompts, out,
-                             time.perf_counter() - start)]
-        yield pulled[0]
+        with phases.timing("time/rollout"):  # `sample` returns host arrays: it has finished
+            out = sample(s.params, s.spec, [s.prompt_ids(p) for p in prompts],
+                         jax.random.fold_in(s.key, step), s.cfg.sampling, lora=s.state.lora,
+                         eos_ids=s.eos_ids, detokenize=s.detokenize, shardings=s.rules)
+        yield Rollout(step, [r for r in records for _ in range(g)], prompts, out)
 
 
-def _reference(s: Session) -> Callable[[Rollout], None]:
+def _reference(s: Session, phases: _Phases) -> Callable[[Rollout], None]:
     def run(rollout: Rollout) -> None:
         if s.cfg.grpo.beta == 0 or rollout.ref_logp is not None:
             return  # no KL term, or a resumed rollout whose pass was saved with it
-        start = time.perf_counter()
-        tokens, mask, positions = _rows(rollout.out)
-        rollout.ref_logp = s.reference_logprobs(tokens, mask, positions,
-                                                rollout.out.tokens.shape[1])
-        rollout.ref_seconds = time.perf_counter() - start
+        with phases.timing("time/reference"):
+            tokens, mask, positions = _rows(rollout.out)
+            rollout.ref_logp = jax.block_until_ready(s.reference_logprobs(
+                tokens, mask, positions, rollout.out.tokens.shape[1]))
     return run
 
 
@@ -101,7 +111,6 @@ def _rollout_metrics(rollout: Rollout) -> dict[str, float]:
     return {"completion/length_mean": float(lengths.mean()),
             "completion/length_max": float(lengths.max()),
             "completion/truncated_frac": float(truncated),
-            "time/rollout": rollout.seconds, "time/reference": rollout.ref_seconds,
             "tokens/completion": float(lengths.sum())}
 
 
@@ -139,11 +148,10 @@ def _update(s: Session, rollout: Rollout, scored):
     mine = slice(*s.row_range)  # advantages see every process's rows; the batch holds ours
     batch = make_batch(rollout, np.asarray(adv.advantages)[mine], np.asarray(adv.keep)[mine],
                        s.to_device)
-    start = time.perf_counter()
     for _ in range(s.cfg.grpo.num_iterations):
         s.state, update = s.train_step(s.state, s.params, batch)
-    update = jax.device_get(update)
-    return adv, update, time.perf_counter() - start
+    jax.block_until_ready(s.state)
+    return adv, jax.device_get(update)
 
 
 def train(cfg: Config, log: Callable[[str], None] = print) -> Path:
@@ -152,13 +160,15 @@ def train(cfg: Config, log: Callable[[str], None] = print) -> Path:
     log(f"run directory: {runlog.dir.resolve()}")
     with Session(cfg, log) as s:
         trim_logs(runlog.dir, s.start_step, log)
-        pulled: list[Rollout] = []
+        phases = _Phases()
         try:
             last = time.perf_counter()
-            for rollout, scored in s.pipelined(_rollouts(s, pulled), _samples, _reference(s)):
-                adv, update, update_s = _update(s, rollout, scored)
+            for rollout, scored, ahead in s.pipelined(_rollouts(s, phases), _samples,
+                                                      _reference(s, phases)):
+                with phases.timing("time/update"):
+                    adv, update = _update(s, rollout, scored)
                 now = time.perf_counter()
-                seconds = {"time/update": update_s, "time/step": now - last}
+                seconds = {**phases.lap(), "time/step": now - last}
                 last = now
                 metrics = distributed.combine_metrics(
                     _step_metrics(s, rollout, scored, adv, update, seconds))
@@ -167,8 +177,8 @@ def train(cfg: Config, log: Callable[[str], None] = print) -> Path:
                 every = cfg.logging.samples_every
                 if every and (rollout.step + 1) % every == 0:
                     runlog.log_samples(rollout.step + 1, _sample_rows(rollout, scored))
-                ahead = pulled[0] if pulled[0].step == rollout.step + 1 else None
-                s.checkpoints.after_step(rollout.step + 1, s.state, s.key, s.data, ahead)
+                s.checkpoints.after_step(rollout.step + 1, s.state, s.key, s.data,
+                                         None if ahead is None else pack_rollout(ahead))
                 s.progress(rollout.step + 1, metrics)
             s.checkpoints.finish(cfg.run.steps, s.state)
         finally:

@@ -11,17 +11,19 @@ import jax.numpy as jnp
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from jaxrl import distributed
-from jaxrl.checkpoint import Checkpoints, start_lora
-from jaxrl.config import Config
+from jaxrl.checkpoint import Checkpoints
+from jaxrl.config import Config, ConfigError
 from jaxrl.data.pipeline import build_pool, train_iterator
 from jaxrl.data.prompts import prompt_fits
 from jaxrl.hf.default_model import resolve_model_path
 from jaxrl.hf.tokenizer import (chat_prompt_text, detokenizer, eos_token_ids, load_tokenizer,
                                 text_ids)
+from jaxrl.lora.start import start_lora
 from jaxrl.model.families import load_spec
 from jaxrl.quant.qparams import dequantize_strategy
 from jaxrl.rewards.pool import RewardPool, pipelined
 from jaxrl.rl.logprobs import token_logprobs
+from jaxrl.rl.rollout import unpack_rollout
 from jaxrl.rl.train_step import StepOptions, compile_train_step, init_train_state, make_optimizer
 from jaxrl.sharding import place, step_shardings
 
@@ -36,7 +38,6 @@ def step_options(cfg: Config) -> StepOptions:
     rows = cfg.data.prompts_per_step * cfg.grpo.num_generations
     micro = cfg.optim.micro_batch_size or rows
     if rows % micro:
-        from jaxrl.config import ConfigError
         raise ConfigError(f"config key 'optim.micro_batch_size' = {micro} must divide the "
                           f"{rows} rows of a step (data.prompts_per_step * "
                           "grpo.num_generations)")
@@ -44,48 +45,79 @@ def step_options(cfg: Config) -> StepOptions:
                        max_new_tokens=cfg.sampling.max_new_tokens, micro_batches=rows // micro)
 
 
+def _load_model(cfg: Config, rules, log: Callable[[str], None]):
+    """(model directory, spec, tokenizer, params as the run holds them: on the mesh of `rules`,
+    dense where quant.dequantize resolves to once)."""
+    model_dir = resolve_model_path(cfg.model.path)
+    spec = load_spec(model_dir)
+    tokenizer = load_tokenizer(model_dir)
+    log(f"loading {model_dir} ({spec.family}, {spec.num_layers} layers) as "
+        f"{cfg.quant.mode} + LoRA r{cfg.lora.rank}")
+    dtype = jnp.dtype(cfg.model.dtype)
+    params = distributed.load_params(model_dir, spec, dtype, cfg.quant, rules)
+    if dequantize_strategy(cfg.quant) == "once":
+        params = distributed.dequantized(params, dtype, spec, rules)
+    return model_dir, spec, tokenizer, params
+
+
+def _my_prompts(cfg: Config, rules) -> tuple[slice, tuple[int, int]]:
+    """This process's prompts of a step, and their rows [start, stop) among the step's rows."""
+    g = cfg.grpo.num_generations
+    prompts = distributed.prompt_slice(rules, cfg.data.prompts_per_step, g)
+    return prompts, (prompts.start * g, prompts.stop * g)
+
+
+def _trainer(cfg: Config, spec, params, rules, key: jax.Array):
+    """(fresh train state, lr schedule, compiled train step, the step's shardings or None)."""
+    lora = start_lora(cfg, spec, jax.random.fold_in(key, 1 << 20))
+    optimizer, schedule = make_optimizer(cfg.optim, cfg.run.steps)
+    state = init_train_state(lora, optimizer)
+    rows = cfg.data.prompts_per_step * cfg.grpo.num_generations
+    shardings = None if rules is None else step_shardings(rules, state, params, spec, optimizer,
+                                                          rows)
+    train_step = compile_train_step(spec, optimizer, step_options(cfg), shardings)
+    return state, schedule, train_step, shardings
+
+
+def _resume(checkpoints: Checkpoints, state, key: jax.Array, data):
+    """(train state, key, start step, pending Rollout or None): restored from the checkpoint
+    `checkpoint.resume` selects (moving `data` to its position), else as given."""
+    restored = checkpoints.restore(state, data)
+    if restored is None:
+        return state, key, 0, None
+    pending = None if restored.pending is None else unpack_rollout(*restored.pending)
+    return restored.state, restored.key, restored.step, pending
+
+
+def _progress_bar(cfg: Config, start_step: int):
+    """(progress bar on a terminal, its task): steps done of run.steps."""
+    progress = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(),
+                        TimeElapsedColumn(), TextColumn("{task.description}"), console=None,
+                        transient=False, disable=not sys.stderr.isatty())
+    return progress, progress.add_task("", total=cfg.run.steps, completed=start_step)
+
+
 class Session:
     def __init__(self, cfg: Config, log: Callable[[str], None] = print):
         self.cfg, self.log = cfg, log
         self.rules = distributed.session_rules(cfg.mesh)  # None: one device
-        model_dir = resolve_model_path(cfg.model.path)
-        self.spec = load_spec(model_dir)
-        self.tokenizer = load_tokenizer(model_dir)
+        model_dir, self.spec, self.tokenizer, self.params = _load_model(cfg, self.rules, log)
         self.eos_ids = eos_token_ids(self.tokenizer, model_dir)
         self.detokenize = detokenizer(self.tokenizer)
-        log(f"loading {model_dir} ({self.spec.family}, {self.spec.num_layers} layers) as "
-            f"{cfg.quant.mode} + LoRA r{cfg.lora.rank}")
-        dtype = jnp.dtype(cfg.model.dtype)
-        self.params = distributed.load_params(model_dir, self.spec, dtype, cfg.quant, self.rules)
-        if dequantize_strategy(cfg.quant) == "once":
-            self.params = distributed.dequantized(self.params, dtype, self.spec, self.rules)
+        self.prompts, self.row_range = _my_prompts(cfg, self.rules)
         self.key = jax.random.PRNGKey(cfg.run.seed)
-        lora = start_lora(cfg, self.spec, jax.random.fold_in(self.key, 1 << 20))
-        optimizer, self.schedule = make_optimizer(cfg.optim, cfg.run.steps)
-        self.state = init_train_state(lora, optimizer)
-        rows = cfg.data.prompts_per_step * cfg.grpo.num_generations
-        self.prompts = distributed.prompt_slice(self.rules, cfg.data.prompts_per_step,
-                                                cfg.grpo.num_generations)  # this process's
-        self.row_range = (self.prompts.start * cfg.grpo.num_generations,
-                          self.prompts.stop * cfg.grpo.num_generations)
-        shardings = None if self.rules is None else step_shardings(
-            self.rules, self.state, self.params, self.spec, optimizer, rows)
-        self.train_step = compile_train_step(self.spec, optimizer, step_options(cfg), shardings)
+        self.state, self.schedule, self.train_step, shardings = _trainer(
+            cfg, self.spec, self.params, self.rules, self.key)
         pool = build_pool(cfg.data, keep=prompt_fits(self.tokenizer, cfg.data.max_prompt_tokens))
         self.data = train_iterator(pool, cfg.data)
         self.checkpoints = Checkpoints(cfg, model_dir, self.spec, log)
-        self.start_step, self.pending = 0, None  # pending: Rollout fields sampled before a stop
-        restored = self.checkpoints.restore(self.state, self.data)
-        if restored is not None:
-            self.state, self.key = restored.state, restored.key
-            self.start_step, self.pending = restored.step, restored.pending
+        # pending: the Rollout sampled before the update of start_step, when resumed with it
+        self.state, self.key, self.start_step, self.pending = _resume(
+            self.checkpoints, self.state, self.key, self.data)
         if shardings is not None:
             self.state = place(self.state, shardings[0][0])
         self.rewards = RewardPool(cfg)
-        self._progress = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(),
-                                  TimeElapsedColumn(), TextColumn("{task.description}"),
-                                  console=None, transient=False, disable=not sys.stderr.isatty())
-        self._task = self._progress.add_task("", total=cfg.run.steps, completed=self.start_step)
+        self._progress, self._task = _progress_bar(cfg, self.start_step)
 
     def render(self, record: dict) -> str:
         return chat_prompt_text(self.tokenizer, record["messages"]) + self.cfg.data.response_prefix

@@ -15,11 +15,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl.checkpoint import Checkpoints, start_lora, trim_logs
+from jaxrl.checkpoint import Checkpoints
 from jaxrl.config import Config, ConfigError
 from jaxrl.hf.pretrained import Pretrained, load_pretrained
+from jaxrl.lora.start import start_lora
 from jaxrl.rl.train_step import init_train_state, make_optimizer
-from jaxrl.runlog import RunLog
+from jaxrl.runlog import RunLog, trim_logs
 from jaxrl.sft.data import BatchStream, encode_all, pad_rows, read_chat_records
 from jaxrl.sft.step import SftBatch, SftOptions, compile_eval_loss, compile_sft_step
 

@@ -11,7 +11,7 @@ import numpy as np
 from jaxrl.config import Config, from_dict
 from jaxrl.data.pipeline import build_pool, train_iterator
 from jaxrl.lora.lora import init_lora
-from jaxrl.rl.loop import Rollout
+from jaxrl.rl.rollout import Rollout
 from jaxrl.rl.train_step import init_train_state, make_optimizer
 from jaxrl.sampling.sampler import SampleOutput
 
@@ -60,5 +60,5 @@ def rollout(step: int, rows: int = 4, width: int = 6, seed: int = 0) -> Rollout:
                        finish_reasons=("stop", "length") * (rows // 2),
                        texts=tuple(f"text {i}" for i in range(rows)))
     return Rollout(step, [{"id": f"r{i}", "answer": str(i)} for i in range(rows)],
-                   [f"prompt {i}" for i in range(rows)], out, 0.25,
-                   jnp.asarray(-rng.rand(rows, width), jnp.float32), 0.125)
+                   [f"prompt {i}" for i in range(rows)], out,
+                   jnp.asarray(-rng.rand(rows, width), jnp.float32))

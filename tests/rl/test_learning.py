@@ -1,6 +1,4 @@
 """GRPO learns: a tiny random model raises a synthetic reward from chance to above 0.8."""
-import time
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,7 +8,8 @@ from jaxrl.lora.lora import init_lora
 from jaxrl.model.families import spec_from_hf_config
 from jaxrl.model.params import init_params
 from jaxrl.rl.advantages import compute_advantages
-from jaxrl.rl.loop import Rollout, make_batch
+from jaxrl.rl.loop import make_batch
+from jaxrl.rl.rollout import Rollout
 from jaxrl.rl.train_step import StepOptions, compile_train_step, init_train_state, make_optimizer
 from jaxrl.sampling.sampler import sample
 from tests.tiny_models import hf_config
@@ -20,7 +19,6 @@ TARGET, PROMPTS, G, NEW = 7, 4, 8, 8
 
 def test_grpo_raises_reward_from_chance_to_above_0_8():
     """reward = share of completion tokens equal to TARGET; chance is 1/128."""
-    start = time.perf_counter()
     spec = spec_from_hf_config(hf_config("llama").to_dict())
     # std 0.2, not 0.02: with a near-zero frozen LM head no adapter can move the logits far
     # enough (RMS-normed hidden states times tiny head rows), and nothing could be learned
@@ -42,9 +40,8 @@ def test_grpo_raises_reward_from_chance_to_above_0_8():
         if np.mean(history[-3:]) > 0.8:
             break
         adv = compute_advantages(jnp.asarray(rewards, jnp.float32), G)
-        batch = make_batch(Rollout(step, [], [], out, 0.0), np.asarray(adv.advantages),
+        batch = make_batch(Rollout(step, [], [], out), np.asarray(adv.advantages),
                            np.asarray(adv.keep))
         state, _ = step_fn(state, params, batch)
     assert history[0] < 0.1, history[:3]  # near chance at the start
     assert np.mean(history[-3:]) > 0.8, history
-    assert time.perf_counter() - start < 120, "well under a minute on an idle 2-core machine"

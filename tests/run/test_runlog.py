@@ -1,9 +1,10 @@
-"""Run directory files: config without secrets, metrics rows, samples, report.png."""
+"""Run directory files: config without secrets, metrics rows, samples, report.png; rows past a
+resumed checkpoint dropped."""
 import json
 
 from jaxrl.config import load_config
 from jaxrl.report import read_metrics
-from jaxrl.runlog import RunLog
+from jaxrl.runlog import RunLog, trim_logs
 
 
 def test_run_directory_files(tmp_path):
@@ -25,3 +26,14 @@ def test_run_directory_files(tmp_path):
     assert json.loads((run / "samples.jsonl").read_text())["step"] == 2
     assert report == run / "report.png" and report.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_trim_logs_drops_rows_past_the_checkpoint(tmp_path):
+    rows = [{"step": s, "x": s} for s in (1, 2, 3, 4)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "samples.jsonl").write_text(json.dumps({"step": 2}) + "\n")
+    trim_logs(tmp_path, 2, log=lambda m: None)
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in lines] == rows[:2]
+    assert (tmp_path / "samples.jsonl").read_text() == json.dumps({"step": 2}) + "\n"
+    assert not any(p.name.endswith(".tmp") for p in tmp_path.iterdir())
