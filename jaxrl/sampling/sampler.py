@@ -2,9 +2,10 @@
 returned as padded arrays for the learner.
 
 Every prompt is queued as one request (row i with key fold_in(key, i)); repeat a prompt for a
-GRPO group and its G rows share one prefill. The engine gets as many slots as rows (rounded up
-to a power of two, at most `max_slots`; more rows than slots refill slots as rows finish) and a
-cache of the prompt bucket plus the new-token bucket per slot. A row finishes on any of the EOS
+GRPO group and its G rows share one prefill. The engine gets a slot per row, or `cfg.slots`
+when that is fewer (rounded up to powers of two; slots are then refilled as rows finish, a
+chunk of 16 steps at a time, else the whole new-token bucket is one chunk), and a cache of the
+prompt bucket plus the new-token bucket per slot. A row finishes on any of the EOS
 ids (chat models have several) or at `max_new_tokens`; its later columns hold the pad id, are
 masked out and carry log-prob 0. The completion mask includes the EOS token itself.
 
@@ -33,6 +34,8 @@ from jaxrl.sampling.engine import Engine, Request, row_keys
 from jaxrl.sampling.sampling_fns import Decoding
 from jaxrl.sampling.stop import cut_at_stop
 from jaxrl.sharding import MeshRules
+
+REFILL_CHUNK = 16  # decode steps between refills when rows outnumber slots
 
 @dataclasses.dataclass(frozen=True)
 class SampleOutput:
@@ -63,11 +66,11 @@ def _apply_stop(out: SampleOutput, stop: Sequence[str],
 def sample(params: Params, spec: ModelSpec, prompts: Sequence[Sequence[int]], key: jax.Array,
            cfg: SamplingConfig = SamplingConfig(), *, lora: Lora | None = None,
            eos_ids: Sequence[int] = (), detokenize: Callable[[Sequence[int]], str] | None = None,
-           layer_loop: str = "auto", shardings: MeshRules | None = None,
-           max_slots: int = 256) -> SampleOutput:
+           layer_loop: str = "auto", shardings: MeshRules | None = None) -> SampleOutput:
     """Sample one completion per prompt (lists of token ids; repeat a prompt for a group).
 
-    cfg supplies temperature, top_k, top_p, min_p, max_new_tokens and stop strings; eos_ids end a
+    cfg supplies temperature, top_k, top_p, min_p, max_new_tokens, stop strings and the number
+    of decode slots (module docstring); eos_ids end a
     row (`jaxrl.hf.tokenizer.eos_token_ids` lists a model's); detokenize (ids -> text) is needed
     for stop strings and fills `texts`. The same key, prompts and settings give the same output,
     and a row's output does not depend on the rows beside it. shardings: sample on a mesh; with
@@ -84,12 +87,15 @@ def sample(params: Params, spec: ModelSpec, prompts: Sequence[Sequence[int]], ke
         rows = distributed.host_max(rows) * jax.process_count()
         first = distributed.local_rows(shardings, rows)[0]
     tokens, mask = left_pad(prompts, width)
-    slots = min(bucket(rows, minimum=1), bucket(max_slots, minimum=1))
+    slots = bucket(rows, minimum=1)
+    if cfg.slots:
+        slots = min(slots, bucket(cfg.slots, minimum=1))
     if shardings is not None:
         slots = max(slots, shardings.batch_ways)
     n = cfg.max_new_tokens
+    chunk = bucket(n) if slots >= rows else min(bucket(n), REFILL_CHUNK)
     engine = Engine(params, spec, eos_ids=eos_ids, slots=slots, capacity=width + bucket(n),
-                    chunk=bucket(n), lora=lora, layer_loop=layer_loop, shardings=shardings)
+                    chunk=chunk, lora=lora, layer_loop=layer_loop, shardings=shardings)
     keys = row_keys(key, range(first, first + len(prompts)))
     requests = [engine.submit(Request(list(ids), decoding, n, keys[i]))
                 for i, ids in enumerate(prompts)]

@@ -212,3 +212,18 @@ def test_unrolled_loop_refuses_quantized_params(models, tmp_path):
     _, nf4 = load_params(tmp_path, spec, quant=QuantConfig(mode="nf4"))
     with pytest.raises(ValueError, match="dequantization per layer"):
         sample(nf4, spec, PROMPTS, jax.random.PRNGKey(0), GREEDY, layer_loop="unrolled")
+
+
+def test_fewer_slots_than_rows_refill_and_decode_the_same(models):
+    """sampling.slots below the row count: rows wait for free slots and decode as with a slot
+    each (per-row keys), greedy and sampled."""
+    _, spec, params = models["qwen3"]
+    prompts = PROMPTS + [PROMPTS[0], PROMPTS[2][:5]]
+    for t in (0.0, 0.9):
+        cfg = SamplingConfig(temperature=t, top_p=0.95, max_new_tokens=20)
+        wide = sample(params, spec, prompts, jax.random.PRNGKey(4), cfg)
+        narrow = sample(params, spec, prompts, jax.random.PRNGKey(4),
+                        dataclasses.replace(cfg, slots=2))
+        np.testing.assert_array_equal(narrow.tokens, wide.tokens)
+        np.testing.assert_array_equal(narrow.mask, wide.mask)
+        np.testing.assert_allclose(narrow.logprobs, wide.logprobs, atol=1e-5)
