@@ -17,11 +17,10 @@ from pathlib import Path
 import yaml
 
 from jaxrl.model.families import LINEAR_NAMES
+from jaxrl.quant.formats import SCALE_DTYPES
 
 DTYPES = ("float32", "bfloat16")
 QUANT_MODES = ("nf4", "int4", "none")
-# = quant.nf4.SCALE_DTYPES (a test keeps them equal): importing nf4 would import jax here
-SCALE_DTYPES = ("float32", "bfloat16")
 LOSS_AGGS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
 REWARD_SCALINGS = ("group", "batch", "none")  # rl/advantages.py says what each one does
 SCHEDULES = ("constant", "cosine")

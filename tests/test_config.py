@@ -348,13 +348,6 @@ def test_to_dict_is_plain_and_feeds_from_dict():
     assert from_dict(d) == Config()
 
 
-def test_scale_dtypes_are_the_ones_nf4_quantizes_to():
-    from jaxrl import config
-    from jaxrl.quant import nf4
-
-    assert config.SCALE_DTYPES == nf4.SCALE_DTYPES
-
-
 def test_config_imports_no_jax():
     """Reward workers import the config; they never import jax (DESIGN.md)."""
     code = "import sys, jaxrl.config; assert 'jax' not in sys.modules, 'jax was imported'"

@@ -36,6 +36,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl.quant.formats import SCALE_DTYPES
+
 # The 16 NormalFloat4 levels as published with QLoRA (Dettmers et al., 2023, appendix E).
 NF4_CODEBOOK = np.array([
     -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
@@ -50,7 +52,6 @@ NF4_CODEBOOK = np.array([
 INT4_CODEBOOK = ((np.arange(16) - 8) / 7).astype(np.float32)
 
 CODEBOOKS = {"nf4": NF4_CODEBOOK, "int4": INT4_CODEBOOK}
-SCALE_DTYPES = ("float32", "bfloat16")
 DQ_GROUP = 256  # first-level scales per 8-bit group, as in QLoRA
 _DQ_MAX_CODE = 127
 _DQ_ZERO = 128  # stored uint8 value of 8-bit code 0
