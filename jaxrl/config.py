@@ -171,6 +171,7 @@ class OptimConfig(_Group):
     lr: float = _setting(1e-5, gt=0)
     max_grad_norm: float = _setting(1.0, ge=0)  # 0 = no clipping
     weight_decay: float = _setting(0.0, ge=0)
+    eps: float = _setting(1e-8, gt=0)  # Adam's epsilon (TRL's adam_epsilon)
     warmup_steps: int = _setting(0, ge=0)
     schedule: str = _setting("constant", choices=SCHEDULES)
     micro_batch_size: int = _setting(0, ge=0)  # 0 = whole batch

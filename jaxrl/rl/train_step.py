@@ -69,7 +69,7 @@ def make_optimizer(optim: OptimConfig, total_steps: int):
             [warmup])
     else:
         schedule = optax.constant_schedule(optim.lr)
-    adamw = optax.adamw(schedule, weight_decay=optim.weight_decay)
+    adamw = optax.adamw(schedule, eps=optim.eps, weight_decay=optim.weight_decay)
     if optim.max_grad_norm > 0:
         return optax.chain(optax.clip_by_global_norm(optim.max_grad_norm), adamw), schedule
     return adamw, schedule

@@ -18,9 +18,11 @@ SPEC = spec_from_hf_config({
 ROWS, G, NEW = 8, 2, 8
 GREEDY = SamplingConfig(temperature=0.0, max_new_tokens=NEW)
 # No clipping, so Adam's first moment after one step is 0.1 * grad. Adam divides each gradient by
-# its own magnitude, so a float32 rounding difference in a near-zero gradient moves that weight
-# by up to lr: lr 1e-3 keeps such moves below the 1e-5 the results are compared at.
-OPTIM = OptimConfig(lr=1e-3, max_grad_norm=0.0)
+# its own magnitude, so a rounding difference in a gradient that is ~0 (a KL term of ~1e-8 on one
+# layout, exactly 0 on another) would move that weight by up to lr (1e-3) on one side only;
+# eps 1e-5 scales such a move below 1e-5 (the tolerance) while gradients of 1e-3 and more, the
+# ones training moves, are normalized as usual.
+OPTIM = OptimConfig(lr=1e-3, max_grad_norm=0.0, eps=1e-5)
 OPTS = StepOptions(grpo=GrpoConfig(num_generations=G, beta=0.04), temperature=1.0,
                    max_new_tokens=NEW, micro_batches=2)
 
