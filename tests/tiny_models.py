@@ -62,3 +62,14 @@ def padded_batch(seed: int = 0, batch: int = 3, length: int = 12, vocab: int = 1
     mask[1, :4] = False
     mask[2, length - 3:] = False
     return tokens, mask
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy `generate` of exactly n new tokens (EOS ignored) after prompt."""
+    import torch
+
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                             min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()

@@ -6,14 +6,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 
 from jaxrl.hf.load import load_params
 from jaxrl.model.transformer import forward
 from jaxrl.sampling import Decoding, Engine, Request
 from jaxrl.sampling import engine as engine_programs
 from jaxrl.sampling.engine import row_keys
-from tests.tiny_models import make_model
+from tests.tiny_models import hf_greedy, make_model
 
 PROMPTS = [[5, 9, 31, 7, 100, 3, 44], [17, 2, 88], list(range(10, 40)), [64], [3, 1, 4, 1, 5]]
 MIXED = [Decoding(0.0), Decoding(0.8, top_k=5), Decoding(1.0, top_p=0.9),
@@ -28,14 +27,6 @@ def tiny(tmp_path_factory):
     model = make_model("qwen2", tie=True)
     model.save_pretrained(path)
     return (model, *load_params(path))
-
-
-def _hf_greedy(model, prompt, n):
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                             min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 def _teacher_forced(params, spec, prompt, tokens, temperature):
@@ -74,7 +65,7 @@ def test_requests_decode_as_alone_whatever_slot_and_neighbours(tiny, layer_loop)
         np.testing.assert_allclose(r.logprobs, alone.logprobs, atol=1e-5)
         assert r.finish_reason == alone.finish_reason == "length"
         if r.decoding.temperature == 0:
-            assert r.tokens == _hf_greedy(model, r.prompt, r.max_new_tokens)
+            assert r.tokens == hf_greedy(model, r.prompt, r.max_new_tokens)
 
 
 def test_logprobs_equal_teacher_forced_logprobs(tiny):

@@ -7,7 +7,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 
 from jaxrl.config import QuantConfig, SamplingConfig
 from jaxrl.hf.load import load_params
@@ -15,7 +14,7 @@ from jaxrl.lora.lora import init_lora
 from jaxrl.model.transformer import forward, positions_from_mask
 from jaxrl.quant.nf4 import QTensor, dequantize
 from jaxrl.sampling import engine, sample
-from tests.tiny_models import LLAMA3_ROPE, make_model
+from tests.tiny_models import LLAMA3_ROPE, hf_greedy, make_model
 
 GREEDY = SamplingConfig(temperature=0.0, max_new_tokens=64)
 PROMPTS = [[5, 9, 31, 7, 100, 3, 44], [17, 2, 88], list(range(10, 40))]
@@ -36,14 +35,6 @@ def models(tmp_path_factory):
     return out
 
 
-def _hf_greedy(model, prompt, n):
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                             min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].numpy()
-
-
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("layer_loop", ["unrolled", "scan"])
 def test_greedy_equals_transformers_generate(models, case, layer_loop):
@@ -52,7 +43,7 @@ def test_greedy_equals_transformers_generate(models, case, layer_loop):
     assert out.tokens.shape == (2, 64) and out.mask.all()
     assert out.finish_reasons == ("length", "length")
     for row, prompt in enumerate(PROMPTS[:2]):
-        np.testing.assert_array_equal(out.tokens[row], _hf_greedy(model, prompt, 64))
+        np.testing.assert_array_equal(out.tokens[row], hf_greedy(model, prompt, 64))
 
 
 def test_a_prompt_decodes_the_same_alone_and_beside_longer_prompts(models):

@@ -2,14 +2,19 @@
 128), and the pieces of one GRPO step on it; shared by the mesh and the multi-process tests."""
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
+import optax
 
 from jaxrl.config import GrpoConfig, OptimConfig, SamplingConfig
 from jaxrl.lora.lora import init_lora
 from jaxrl.model.families import spec_from_hf_config
 from jaxrl.model.params import init_params
-from jaxrl.rl.train_step import StepOptions, init_train_state, make_optimizer
+from jaxrl.model.transformer import positions_from_mask
+from jaxrl.rl.logprobs import token_logprobs
+from jaxrl.rl.train_step import Batch, StepOptions, init_train_state, make_optimizer
 
 SPEC = spec_from_hf_config({
     "model_type": "qwen3", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
@@ -51,3 +56,34 @@ def optimizer_state(lora):
 def rewards_of(tokens: np.ndarray, mask: np.ndarray) -> np.ndarray:
     """A reward computed from a row's own tokens only (as a verifier would)."""
     return ((tokens % 7) * mask).sum(axis=1).astype(np.float32) / NEW
+
+
+@functools.partial(jax.jit, static_argnums=4)
+def _reference(params, tokens, positions, mask, start):
+    return token_logprobs(params, SPEC, tokens, positions, mask, None, start=start)[0]
+
+
+def step_batch(params, out) -> Batch:
+    """A GRPO batch from sample `out`: reference log-probs under params (the base), old
+    log-probs near them and random advantages, both seeded."""
+    tokens = np.concatenate([out.prompt_tokens, out.tokens], axis=1)
+    mask = np.concatenate([out.prompt_mask, out.mask], axis=1)
+    positions = np.asarray(positions_from_mask(mask))
+    ref = _reference(params, tokens, positions, mask, out.prompt_tokens.shape[1])
+    rng = np.random.RandomState(3)
+    return Batch(tokens=tokens, positions=positions, attn_mask=mask, completion_mask=out.mask,
+                 logp_old=np.asarray(ref) + rng.normal(0, 0.05, out.mask.shape).astype(np.float32),
+                 advantages=rng.normal(size=ROWS).astype(np.float32), ref_logp=np.asarray(ref))
+
+
+def assert_same_step(metrics, state, ref_metrics, ref_state, tol) -> None:
+    """One GRPO step's metrics, gradients (Adam's first moment after one step) and updated
+    adapter equal the reference's within tol; the adapter moved."""
+    for key in ("loss", "kl", "grad_norm", "entropy"):
+        np.testing.assert_allclose(metrics[key], ref_metrics[key], **tol, err_msg=key)
+    grads, ref_grads = (optax.tree_utils.tree_get(s.opt_state, "mu") for s in (state, ref_state))
+    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, **tol), grads, ref_grads)
+    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, **tol),
+                           state.lora.weights, ref_state.lora.weights)
+    assert not np.allclose(state.lora.weights["layers"]["q_proj"]["b"],
+                           model()[1].weights["layers"]["q_proj"]["b"])
