@@ -1,6 +1,5 @@
-"""Sampler throughput: jaxrl (fp32 weights, and bf16 weights with each layer loop of
-jaxrl/sampling/layer_loops.py) against transformers `generate` (torch, fp32) on the same model,
-prompt and settings, in one run.
+"""Sampler throughput: jaxrl (fp32 and bf16 weights) against transformers `generate` (torch,
+fp32) on the same model, prompt and settings, in one run.
 
 Every configuration decodes a fixed number of new tokens with EOS ignored from one chat prompt
 repeated over the batch; tokens per second = batch * new tokens / wall time of one call, after
@@ -44,7 +43,7 @@ def _best_rate(fn, batch, new_tokens, repeats):
     return batch * new_tokens / best
 
 
-def _jaxrl_runner(params, spec, prompt_ids, batch, temperature, new_tokens, loop="auto"):
+def _jaxrl_runner(params, spec, prompt_ids, batch, temperature, new_tokens):
     import jax
 
     from jaxrl.config import SamplingConfig
@@ -53,8 +52,7 @@ def _jaxrl_runner(params, spec, prompt_ids, batch, temperature, new_tokens, loop
     cfg = SamplingConfig(temperature=temperature, max_new_tokens=new_tokens)
 
     def run():
-        out = sample(params, spec, [prompt_ids] * batch, jax.random.PRNGKey(0), cfg, eos_ids=(),
-                     layer_loop=loop)
+        out = sample(params, spec, [prompt_ids] * batch, jax.random.PRNGKey(0), cfg, eos_ids=())
         assert out.mask.all(), "EOS is ignored, so every row decodes every token"
     return run
 
@@ -93,21 +91,17 @@ def main() -> None:
     hf.generation_config.eos_token_id = None  # EOS ignored, as for jaxrl (eos_ids=())
     print(f"model {model_dir.name}, prompt {len(prompt_ids)} tokens, {args.new_tokens} new "
           f"tokens, torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f}")
-    loops = ["unrolled", "scan"]
-    bf16 = "".join(f" jaxrl bf16 {k} | ratio |" for k in loops)
-    print(f"| batch | mode | transformers fp32 | jaxrl fp32 | ratio |{bf16} load |")
-    print("| ---: | --- | ---: | ---: | ---: |" + " ---: | ---: |" * len(loops) + " ---: |")
+    print("| batch | mode | transformers fp32 | jaxrl fp32 | ratio | jaxrl bf16 | ratio | load |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for batch in (int(b) for b in args.batches.split(",")):
         for mode in args.modes.split(","):
             t = MODES[mode]
             rate = lambda run: _best_rate(run, batch, args.new_tokens, args.repeats)
             hf_rate = rate(_hf_runner(hf, prompt_ids, batch, t, args.new_tokens))
             r32 = rate(_jaxrl_runner(p32, spec, prompt_ids, batch, t, args.new_tokens))
-            r16 = [rate(_jaxrl_runner(p16, spec, prompt_ids, batch, t, args.new_tokens, loop))
-                   for loop in loops]
-            cells = "".join(f" {r:.1f} | {r / hf_rate:.2f}x |" for r in r16)
-            print(f"| {batch} | {mode} | {hf_rate:.1f} | {r32:.1f} | {r32 / hf_rate:.2f}x |{cells} "
-                  f"{os.getloadavg()[0]:.1f} |", flush=True)
+            r16 = rate(_jaxrl_runner(p16, spec, prompt_ids, batch, t, args.new_tokens))
+            print(f"| {batch} | {mode} | {hf_rate:.1f} | {r32:.1f} | {r32 / hf_rate:.2f}x | "
+                  f"{r16:.1f} | {r16 / hf_rate:.2f}x | {os.getloadavg()[0]:.1f} |", flush=True)
     print(f"load average at the end {os.getloadavg()[0]:.2f}")
 
 

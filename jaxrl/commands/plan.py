@@ -168,12 +168,10 @@ def lower_sampler(cfg, spec, rules, run: AbstractRun):
     from jaxrl.sampling.buckets import bucket
     from jaxrl.sampling.engine import abstract_slots, generate
 
-    state, loop = abstract_slots(run.params, spec, bucket(run.rows, minimum=1),
-                                 _capacity(cfg), rules)
+    state = abstract_slots(run.params, spec, bucket(run.rows, minimum=1), _capacity(cfg), rules)
     return generate.lower(state, run.params, run.lora, spec=spec,
                           eos_ids=spec.eos_token_ids or (0,),
-                          steps=bucket(cfg.sampling.max_new_tokens), layer_loop=loop,
-                          shardings=rules)
+                          steps=bucket(cfg.sampling.max_new_tokens), shardings=rules)
 
 
 def lower_prefill(cfg, spec, rules, run: AbstractRun):
@@ -187,7 +185,7 @@ def lower_prefill(cfg, spec, rules, run: AbstractRun):
     from jaxrl.sampling.sampling_fns import RowSettings
 
     slots = bucket(run.rows, minimum=1)
-    state, _ = abstract_slots(run.params, spec, slots, _capacity(cfg), rules)
+    state = abstract_slots(run.params, spec, slots, _capacity(cfg), rules)
     u, p = bucket(cfg.data.prompts_per_step, minimum=1), bucket(cfg.data.max_prompt_tokens)
     sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rules.rows(shape))
     m = (slots,)

@@ -1,8 +1,8 @@
 """The decoder forward pass: a pure function of params, tokens and positions.
 
-`hidden_states` scans over the stacked layer weights with `lax.scan` (training, log-probs and
-decoding); `decoder_layer` is the one layer every caller runs (the sampler's CPU layer loop,
-jaxrl/sampling/layer_loops.py, runs it too).
+`hidden_states` scans over the stacked layer weights with `lax.scan`: training, log-probs and
+decoding (jaxrl/sampling/engine.py) all run this one loop, on every backend, with NF4 kernels
+dequantized one layer at a time inside it.
 
 Glossary: B batch, T tokens in this call, S key slots (T without a cache, the cache length with
 one), E hidden size, F MLP size, H/K query/kv heads, D head dim, V vocab, L layers.

@@ -1,9 +1,7 @@
 """Sampling: the decode engine (slots, continuous batching, per-slot settings), `sample` on top
 of it, sampling controls and log-probs."""
 from jaxrl.sampling.engine import Engine, Request
-from jaxrl.sampling.layer_loops import choose_layer_loop
 from jaxrl.sampling.sampler import SampleOutput, sample
 from jaxrl.sampling.sampling_fns import Decoding, RowSettings
 
-__all__ = ["Decoding", "Engine", "Request", "RowSettings", "SampleOutput", "choose_layer_loop",
-           "sample"]
+__all__ = ["Decoding", "Engine", "Request", "RowSettings", "SampleOutput", "sample"]

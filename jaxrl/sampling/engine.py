@@ -12,7 +12,7 @@ PRNG key and its decoding settings (`RowSettings`). A slot's t-th token is drawn
 fold_in(key, t) under its own settings, so a request decodes the same tokens whatever slot it
 lands in and whatever decodes beside it.
 
-Programs (jitted; static: the model spec, layer loop, EOS ids, mesh and the shapes):
+Programs (jitted; static: the model spec, EOS ids, mesh and the shapes):
   admit     prefill U distinct prompts once (right-padded to P), copy row src[m]'s P cache
             columns into slot dst[m] for each of M new slots (the G completions of a prompt
             share one prefill), and draw each new slot's first token. Padding entries name
@@ -28,8 +28,10 @@ hand each request its new tokens (`Request.on_token`, which serving streams), an
 slots whose request finished (an EOS id, or its max_new_tokens). `Engine.run` steps until the
 queue is empty and no slot is live.
 
-Layer loops: "scan" or, for dense params on CPU, "unrolled" (jaxrl/sampling/layer_loops.py);
-prefill always runs the scan. The cache is float32 on CPU (XLA:CPU computes bf16 elementwise ops
+Both programs run the model's `lax.scan` over the stacked layers (`hidden_states`), the loop
+training runs, with NF4 kernels dequantized one layer at a time inside it and the stacked cache
+in the scan's carry, where each step writes only its new token per slot. The cache is float32
+on CPU (XLA:CPU computes bf16 elementwise ops
 in float32, so a bf16 cache would be converted whole at every write) and in the activations'
 dtype elsewhere, which is lossless: keys and values are computed in that dtype.
 
@@ -51,13 +53,10 @@ from flax import struct
 
 from jaxrl import distributed
 from jaxrl.lora.lora import Lora
-from jaxrl.model.attention import rope_tables
 from jaxrl.model.families import ModelSpec
 from jaxrl.model.kv_cache import KVCache, init_cache
 from jaxrl.model.transformer import Params, hidden_states, lm_logits
 from jaxrl.sampling.buckets import bucket
-from jaxrl.sampling.layer_loops import (LayerKVCache, choose_layer_loop, init_layer_cache,
-                                        layer_cache_shardings, unrolled_hidden_states, unstacked)
 from jaxrl.sampling.sampling_fns import Decoding, RowSettings, next_token
 from jaxrl.sharding import (MeshRules, cache_shardings, constrain, lora_shardings,
                             param_shardings, row_shardings)
@@ -67,7 +66,7 @@ from jaxrl.sharding import (MeshRules, cache_shardings, constrain, lora_sharding
 class Slots:
     """Device state of the S slots (module docstring)."""
 
-    cache: KVCache | LayerKVCache  # cache.index [S]: tokens in each slot's cache
+    cache: KVCache  # [L, S, K, C, D]; cache.index [S]: tokens in each slot's cache
     last: jax.Array  # [S] int32: the token to feed next
     live: jax.Array  # [S] bool
     count: jax.Array  # [S] int32: tokens generated
@@ -103,17 +102,11 @@ def _place(params, lora, spec, shardings):
     return params, lora
 
 
-def _cache_rules(layer_loop: str):
-    return layer_cache_shardings if layer_loop == "unrolled" else cache_shardings
-
-
-@functools.partial(jax.jit, static_argnames=("spec", "slots", "capacity", "layer_loop",
-                                             "shardings"))
-def init_slots(params: Params, *, spec: ModelSpec, slots: int, capacity: int, layer_loop: str,
+@functools.partial(jax.jit, static_argnames=("spec", "slots", "capacity", "shardings"))
+def init_slots(params: Params, *, spec: ModelSpec, slots: int, capacity: int,
                shardings: MeshRules | None = None) -> Slots:
     """S empty slots of `capacity` cache columns each."""
-    make = init_layer_cache if layer_loop == "unrolled" else init_cache
-    cache = make(spec, slots, capacity, _cache_dtype(params, shardings))
+    cache = init_cache(spec, slots, capacity, _cache_dtype(params, shardings))
     zeros = lambda dtype: jnp.zeros((slots,), dtype)
     state = Slots(cache=cache, last=zeros(jnp.int32), live=zeros(bool), count=zeros(jnp.int32),
                   budget=zeros(jnp.int32), keys=jnp.zeros((slots, 2), jnp.uint32),
@@ -122,40 +115,32 @@ def init_slots(params: Params, *, spec: ModelSpec, slots: int, capacity: int, la
                                        min_p=zeros(jnp.float32)))
     if shardings is None:
         return state
-    cache = constrain(state.cache, _cache_rules(layer_loop)(shardings, state.cache))
+    cache = constrain(state.cache, cache_shardings(shardings, state.cache))
     rest = state.replace(cache=None)
     return constrain(rest, row_shardings(shardings, rest)).replace(cache=cache)
 
 
 def abstract_slots(params: Params, spec: ModelSpec, slots: int, capacity: int,
-                   shardings: MeshRules) -> tuple[Slots, str]:
-    """(ShapeDtypeStructs of `init_slots` with their shardings, the layer loop) for compiling
-    the engine's programs without data (`jaxrl plan`)."""
-    loop = choose_layer_loop(params, platform=_platform(shardings))
+                   shardings: MeshRules) -> Slots:
+    """ShapeDtypeStructs of `init_slots` with their shardings, for compiling the engine's
+    programs without data (`jaxrl plan`)."""
     make = functools.partial(init_slots, spec=spec, slots=slots, capacity=capacity,
-                             layer_loop=loop, shardings=shardings)
+                             shardings=shardings)
     shapes = jax.eval_shape(make, params)
-    cache = _cache_rules(loop)(shardings, shapes.cache)
+    cache = cache_shardings(shardings, shapes.cache)
     rest = shapes.replace(cache=None)
     shardings_of = row_shardings(shardings, rest).replace(cache=cache)
-    state = jax.tree_util.tree_map(
+    return jax.tree_util.tree_map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, shardings_of)
-    return state, loop
 
 
-def _insert_rows(cache, pre: KVCache, src: jax.Array, dst: jax.Array):
+def _insert_rows(cache: KVCache, pre: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
     """cache with prefill rows pre[src[m]] (columns [0, P)) copied into slots dst[m]; an entry
     naming a slot past the end is dropped."""
     p = pre.k.shape[3]
-    if isinstance(cache, KVCache):
-        k = cache.k.at[:, dst, :, :p].set(pre.k[:, src].astype(cache.k.dtype), mode="drop")
-        v = cache.v.at[:, dst, :, :p].set(pre.v[:, src].astype(cache.v.dtype), mode="drop")
-        return cache.replace(k=k, v=v)
-    kt = tuple(c.at[dst, :, :, :p].set(pre.k[i, src].transpose(0, 1, 3, 2).astype(c.dtype),
-                                       mode="drop") for i, c in enumerate(cache.kt))
-    v = tuple(c.at[dst, :, :p].set(pre.v[i, src].astype(c.dtype), mode="drop")
-              for i, c in enumerate(cache.v))
-    return cache.replace(kt=kt, v=v)
+    k = cache.k.at[:, dst, :, :p].set(pre.k[:, src].astype(cache.k.dtype), mode="drop")
+    v = cache.v.at[:, dst, :, :p].set(pre.v[:, src].astype(cache.v.dtype), mode="drop")
+    return cache.replace(k=k, v=v)
 
 
 def _fold(keys: jax.Array, t: jax.Array) -> jax.Array:
@@ -192,27 +177,22 @@ def admit(state: Slots, params: Params, lora: Lora | None, prompts: jax.Array,
     return state, token, logprob, done
 
 
-@functools.partial(jax.jit, donate_argnums=0, static_argnames=(
-    "spec", "eos_ids", "steps", "layer_loop", "shardings"))
+@functools.partial(jax.jit, donate_argnums=0,
+                   static_argnames=("spec", "eos_ids", "steps", "shardings"))
 def generate(state: Slots, params: Params, lora: Lora | None, *, spec: ModelSpec,
-             eos_ids: tuple[int, ...], steps: int, layer_loop: str,
+             eos_ids: tuple[int, ...], steps: int,
              shardings: MeshRules | None = None) -> tuple[Slots, Chunk]:
     """Advance every live slot by up to `steps` tokens (module docstring)."""
     params, lora = _place(params, lora, spec, shardings)
     s, c = state.last.shape[0], state.cache.max_len
-    run_layers = hidden_states
-    if layer_loop == "unrolled":
-        params, lora = unstacked(params, lora)
-        table = rope_tables(jnp.arange(c, dtype=jnp.int32)[None], spec)
-        run_layers = functools.partial(unrolled_hidden_states, rope_table=table)
     eos = jnp.asarray(eos_ids, jnp.int32)
     ones = jnp.ones((s, c), bool)
 
     def step(carry):
         i, st, out = carry
         index = st.cache.index
-        h, cache = run_layers(params, st.last[:, None], index[:, None], spec, attn_mask=ones,
-                              cache=st.cache, lora=lora)
+        h, cache = hidden_states(params, st.last[:, None], index[:, None], spec,
+                                 attn_mask=ones, cache=st.cache, lora=lora)
         token, logprob = next_token(_fold(st.keys, st.count), lm_logits(params, h[:, -1], spec),
                                     st.settings)
         live = st.live
@@ -295,18 +275,16 @@ class Engine:
 
     def __init__(self, params: Params, spec: ModelSpec, *, eos_ids: Sequence[int] = (),
                  slots: int = 16, capacity: int = 2048, chunk: int = 16,
-                 lora: Lora | None = None, layer_loop: str = "auto",
-                 shardings: MeshRules | None = None):
+                 lora: Lora | None = None, shardings: MeshRules | None = None):
         if slots < 1 or capacity < 2 or chunk < 1:
             raise ValueError(f"an engine needs slots >= 1, capacity >= 2 and chunk >= 1; got "
                              f"{slots}, {capacity}, {chunk}")
         self.spec, self.shardings = spec, shardings
         self.slots, self.capacity, self.chunk = slots, capacity, chunk
         self.eos_ids = tuple(int(i) for i in eos_ids)
-        self.layer_loop = choose_layer_loop(params, layer_loop, _platform(shardings))
         self.params, self.lora = params, lora
         self.state = init_slots(params, spec=spec, slots=slots, capacity=capacity,
-                                layer_loop=self.layer_loop, shardings=shardings)
+                                shardings=shardings)
         start, stop = distributed.local_rows(shardings, slots)
         self._first = start  # this process's slots are [start, stop)
         self._free = deque(range(start, stop))
@@ -338,7 +316,7 @@ class Engine:
         if distributed.host_max(len(self._active)):
             self.state, chunk = generate(self.state, self.params, self.lora, spec=self.spec,
                                          eos_ids=self.eos_ids, steps=self.chunk,
-                                         layer_loop=self.layer_loop, shardings=self.shardings)
+                                         shardings=self.shardings)
             tokens, logprobs, emitted, live = self._local((chunk.tokens, chunk.logprobs,
                                                            chunk.emitted, self.state.live))
             self.stats.chunks += 1

@@ -66,7 +66,7 @@ def _apply_stop(out: SampleOutput, stop: Sequence[str],
 def sample(params: Params, spec: ModelSpec, prompts: Sequence[Sequence[int]], key: jax.Array,
            cfg: SamplingConfig = SamplingConfig(), *, lora: Lora | None = None,
            eos_ids: Sequence[int] = (), detokenize: Callable[[Sequence[int]], str] | None = None,
-           layer_loop: str = "auto", shardings: MeshRules | None = None) -> SampleOutput:
+           shardings: MeshRules | None = None) -> SampleOutput:
     """Sample one completion per prompt (lists of token ids; repeat a prompt for a group).
 
     cfg supplies temperature, top_k, top_p, min_p, max_new_tokens, stop strings and the number
@@ -75,7 +75,7 @@ def sample(params: Params, spec: ModelSpec, prompts: Sequence[Sequence[int]], ke
     for stop strings and fills `texts`. The same key, prompts and settings give the same output,
     and a row's output does not depend on the rows beside it. shardings: sample on a mesh; with
     several processes `prompts` are this process's rows (jaxrl/distributed.py) and so is the
-    output. layer_loop: jaxrl/sampling/layer_loops.py.
+    output.
     """
     if cfg.stop and detokenize is None:
         raise ValueError(f"stop strings {list(cfg.stop)} need a detokenize function (ids -> text)")
@@ -95,7 +95,7 @@ def sample(params: Params, spec: ModelSpec, prompts: Sequence[Sequence[int]], ke
     n = cfg.max_new_tokens
     chunk = bucket(n) if slots >= rows else min(bucket(n), REFILL_CHUNK)
     engine = Engine(params, spec, eos_ids=eos_ids, slots=slots, capacity=width + bucket(n),
-                    chunk=chunk, lora=lora, layer_loop=layer_loop, shardings=shardings)
+                    chunk=chunk, lora=lora, shardings=shardings)
     keys = row_keys(key, range(first, first + len(prompts)))
     requests = [engine.submit(Request(list(ids), decoding, n, keys[i]))
                 for i, ids in enumerate(prompts)]

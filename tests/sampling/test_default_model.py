@@ -33,10 +33,8 @@ def test_greedy_chat_equals_transformers_generate(default_model_dir):
     assert any(len(w) < N for w in want) and any(len(w) == N for w in want)  # EOS and length
     spec, params = load_params(default_model_dir)
     cfg = SamplingConfig(temperature=0.0, max_new_tokens=N)
-    for layer_loop in ("unrolled", "scan"):
-        got = sample(params, spec, prompts, jax.random.PRNGKey(0), cfg, eos_ids=eos,
-                     layer_loop=layer_loop)
-        for row, w in enumerate(want):
-            assert got.mask[row].sum() == len(w)
-            np.testing.assert_array_equal(got.tokens[row, :len(w)], w)
-            assert got.finish_reasons[row] == ("stop" if len(w) < N else "length")
+    got = sample(params, spec, prompts, jax.random.PRNGKey(0), cfg, eos_ids=eos)
+    for row, w in enumerate(want):
+        assert got.mask[row].sum() == len(w)
+        np.testing.assert_array_equal(got.tokens[row, :len(w)], w)
+        assert got.finish_reasons[row] == ("stop" if len(w) < N else "length")

@@ -44,23 +44,21 @@ def _requests(n=9, seed=0):
             for i in range(n)]
 
 
-def _run(params, spec, requests, slots=4, chunk=4, layer_loop="scan", eos_ids=()):
-    engine = Engine(params, spec, eos_ids=eos_ids, slots=slots, capacity=64, chunk=chunk,
-                    layer_loop=layer_loop)
+def _run(params, spec, requests, slots=4, chunk=4, eos_ids=()):
+    engine = Engine(params, spec, eos_ids=eos_ids, slots=slots, capacity=64, chunk=chunk)
     for r in requests:
         engine.submit(r)
     engine.run()
     return engine
 
 
-@pytest.mark.parametrize("layer_loop", ["scan", "unrolled"])
-def test_requests_decode_as_alone_whatever_slot_and_neighbours(tiny, layer_loop):
+def test_requests_decode_as_alone_whatever_slot_and_neighbours(tiny):
     model, spec, params = tiny
     together = _requests()
-    engine = _run(params, spec, together, layer_loop=layer_loop)
+    engine = _run(params, spec, together)
     assert engine.stats.admitted == 9 and engine.stats.chunks > 2
     for r, alone in zip(together, _requests()):
-        _run(params, spec, [alone], slots=1, chunk=8, layer_loop=layer_loop)
+        _run(params, spec, [alone], slots=1, chunk=8)
         assert r.tokens == alone.tokens and len(r.tokens) == r.max_new_tokens
         np.testing.assert_allclose(r.logprobs, alone.logprobs, atol=1e-5)
         assert r.finish_reason == alone.finish_reason == "length"

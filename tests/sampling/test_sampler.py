@@ -1,5 +1,5 @@
 """`sample` (the decode engine underneath) on tiny random models: greedy parity with
-transformers for both layer loops, padding invariance, log-probs against teacher forcing, EOS and
+transformers, padding invariance, log-probs against teacher forcing, EOS and
 stop handling, NF4 + LoRA, seeds, and a bounded number of compiled programs."""
 import dataclasses
 
@@ -36,10 +36,9 @@ def models(tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("layer_loop", ["unrolled", "scan"])
-def test_greedy_equals_transformers_generate(models, case, layer_loop):
+def test_greedy_equals_transformers_generate(models, case):
     model, spec, params = models[case]
-    out = sample(params, spec, PROMPTS[:2], jax.random.PRNGKey(0), GREEDY, layer_loop=layer_loop)
+    out = sample(params, spec, PROMPTS[:2], jax.random.PRNGKey(0), GREEDY)
     assert out.tokens.shape == (2, 64) and out.mask.all()
     assert out.finish_reasons == ("length", "length")
     for row, prompt in enumerate(PROMPTS[:2]):
@@ -67,13 +66,12 @@ def _teacher_forced(params, spec, out, temperature, lora=None):
     return np.take_along_axis(np.asarray(logp), out.tokens[..., None], axis=-1)[..., 0]
 
 
-@pytest.mark.parametrize("layer_loop", ["unrolled", "scan"])
 @pytest.mark.parametrize("settings", [dict(temperature=0.7, top_k=20, top_p=0.9),
                                       dict(temperature=1.0), dict(temperature=0.0)])
-def test_logprobs_equal_teacher_forced_logprobs(models, layer_loop, settings):
+def test_logprobs_equal_teacher_forced_logprobs(models, settings):
     _, spec, params = models["qwen2-tied"]
     cfg = SamplingConfig(max_new_tokens=24, **settings)
-    out = sample(params, spec, PROMPTS, jax.random.PRNGKey(3), cfg, layer_loop=layer_loop)
+    out = sample(params, spec, PROMPTS, jax.random.PRNGKey(3), cfg)
     want = _teacher_forced(params, spec, out, settings["temperature"] or 1.0)
     np.testing.assert_allclose(out.logprobs[out.mask], want[out.mask], atol=1e-5, rtol=0)
     assert (out.logprobs[out.mask] < 0).all()
@@ -148,7 +146,7 @@ def test_nf4_with_lora_decodes_like_its_dequantized_weights(models, tmp_path):
     _, nf4 = load_params(tmp_path, spec, quant=QuantConfig(mode="nf4", double_quant=True))
     lora = _random_lora(spec)
     cfg = SamplingConfig(temperature=0.0, max_new_tokens=32)
-    q = sample(nf4, spec, PROMPTS, jax.random.PRNGKey(0), cfg, lora=lora)  # auto: scan
+    q = sample(nf4, spec, PROMPTS, jax.random.PRNGKey(0), cfg, lora=lora)
     d = sample(_dequantized(nf4), spec, PROMPTS, jax.random.PRNGKey(0), cfg, lora=lora)
     base = sample(_dequantized(nf4), spec, PROMPTS, jax.random.PRNGKey(0), cfg)
     np.testing.assert_array_equal(q.tokens, d.tokens)
@@ -156,18 +154,6 @@ def test_nf4_with_lora_decodes_like_its_dequantized_weights(models, tmp_path):
     assert (base.tokens != d.tokens).any()  # the adapter matters
     want = _teacher_forced(_dequantized(nf4), spec, q, 1.0, lora)
     np.testing.assert_allclose(q.logprobs[q.mask], want[q.mask], atol=1e-5)
-
-
-def test_unrolled_loop_with_lora_equals_the_scan(models):
-    _, spec, params = models["qwen2-tied"]
-    lora = _random_lora(spec)
-    cfg = SamplingConfig(temperature=0.0, max_new_tokens=32)
-    outs = {loop: sample(params, spec, PROMPTS, jax.random.PRNGKey(0), cfg, lora=lora,
-                         layer_loop=loop) for loop in ("unrolled", "scan")}
-    np.testing.assert_array_equal(outs["unrolled"].tokens, outs["scan"].tokens)
-    np.testing.assert_allclose(outs["unrolled"].logprobs, outs["scan"].logprobs, atol=1e-5)
-    base = sample(params, spec, PROMPTS, jax.random.PRNGKey(0), cfg, layer_loop="unrolled")
-    assert (base.tokens != outs["unrolled"].tokens).any()  # the adapter matters
 
 
 def test_compiles_one_program_per_bucket(models):
@@ -195,14 +181,6 @@ def test_decoding_stops_early_once_every_row_has_finished(models):
                  eos_ids=tuple(int(t) for t in first))
     assert out.mask.sum(axis=1).tolist() == [1, 1, 1]
     assert out.finish_reasons == ("stop",) * 3
-
-
-def test_unrolled_loop_refuses_quantized_params(models, tmp_path):
-    model, spec, _ = models["llama-rope-scaling"]
-    model.save_pretrained(tmp_path)
-    _, nf4 = load_params(tmp_path, spec, quant=QuantConfig(mode="nf4"))
-    with pytest.raises(ValueError, match="dequantization per layer"):
-        sample(nf4, spec, PROMPTS, jax.random.PRNGKey(0), GREEDY, layer_loop="unrolled")
 
 
 def test_fewer_slots_than_rows_refill_and_decode_the_same(models):
