@@ -27,7 +27,7 @@ setup(
         "safetensors>=0.4",
         "tokenizers>=0.21",
         "jinja2>=3.1",  # chat templates (transformers imports it only when rendering one)
-        "huggingface_hub>=0.26",
+        "huggingface-hub>=0.26",
         "ml_dtypes>=0.4",
         "pyarrow>=15",
         "z3-solver>=4.13",

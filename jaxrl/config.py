@@ -147,9 +147,7 @@ class SamplingConfig(_Group):
     min_p: float = _setting(0.0, ge=0, lt=1)
     max_new_tokens: int = _setting(128, ge=1)
     stop: _STRS = ()
-    # decode slots of the engine (jaxrl/sampling/engine.py); 0 = one per row of a step. Fewer
-    # slots than rows bound the KV cache: slots are refilled as rows finish.
-    slots: int = _setting(0, ge=0)
+    slots: int = _setting(0, ge=0)  # decode slots; 0 = one per row (fewer: refilled as rows end)
 
 
 @dataclass(frozen=True)

@@ -31,9 +31,9 @@ queue is empty and no slot is live.
 Both programs run the model's `lax.scan` over the stacked layers (`hidden_states`), the loop
 training runs, with NF4 kernels dequantized one layer at a time inside it and the stacked cache
 in the scan's carry, where each step writes only its new token per slot. The cache is float32
-on CPU (XLA:CPU computes bf16 elementwise ops
-in float32, so a bf16 cache would be converted whole at every write) and in the activations'
-dtype elsewhere, which is lossless: keys and values are computed in that dtype.
+on CPU (XLA:CPU computes bf16 elementwise ops in float32, so a bf16 cache would be converted
+whole at every write) and in the activations' dtype elsewhere, which is lossless: keys and
+values are computed in that dtype.
 
 Several processes: each process queues its own requests and fills its own slots (the rows of
 the slot axis that its devices hold); the bucket sizes and whether to admit are agreed with
@@ -113,11 +113,13 @@ def init_slots(params: Params, *, spec: ModelSpec, slots: int, capacity: int,
                   settings=RowSettings(temperature=zeros(jnp.float32), top_k=zeros(jnp.int32),
                                        top_p=jnp.ones((slots,), jnp.float32),
                                        min_p=zeros(jnp.float32)))
-    if shardings is None:
-        return state
-    cache = constrain(state.cache, cache_shardings(shardings, state.cache))
-    rest = state.replace(cache=None)
-    return constrain(rest, row_shardings(shardings, rest)).replace(cache=cache)
+    return state if shardings is None else constrain(state, _slot_shardings(shardings, state))
+
+
+def _slot_shardings(shardings: MeshRules, state: Slots) -> Slots:
+    """The cache as `cache_shardings` lays it out, every other field split by slots."""
+    rest = row_shardings(shardings, state.replace(cache=None))
+    return rest.replace(cache=cache_shardings(shardings, state.cache))
 
 
 def abstract_slots(params: Params, spec: ModelSpec, slots: int, capacity: int,
@@ -127,11 +129,8 @@ def abstract_slots(params: Params, spec: ModelSpec, slots: int, capacity: int,
     make = functools.partial(init_slots, spec=spec, slots=slots, capacity=capacity,
                              shardings=shardings)
     shapes = jax.eval_shape(make, params)
-    cache = cache_shardings(shardings, shapes.cache)
-    rest = shapes.replace(cache=None)
-    shardings_of = row_shardings(shardings, rest).replace(cache=cache)
-    return jax.tree_util.tree_map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, shardings_of)
+    return jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                  shapes, _slot_shardings(shardings, shapes))
 
 
 def _insert_rows(cache: KVCache, pre: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
@@ -268,10 +267,8 @@ class Engine:
     """The host side of the decode engine (module docstring): a queue of `Request`s decoded in
     `slots` slots of `capacity` cache columns, `chunk` steps per `generate` call.
 
-    eos_ids end a request (a chat model has several); params and lora may be replaced between
-    steps (`set_weights`: a GRPO run samples each step with the adapter it just updated);
-    shardings: the mesh and rules that params, adapter and slots are held in (None: one
-    device; slots split over the data axes)."""
+    eos_ids end a request (a chat model has several); shardings: the mesh and rules that
+    params, adapter and slots are held in (None: one device; slots split over the data axes)."""
 
     def __init__(self, params: Params, spec: ModelSpec, *, eos_ids: Sequence[int] = (),
                  slots: int = 16, capacity: int = 2048, chunk: int = 16,
@@ -291,9 +288,6 @@ class Engine:
         self._queue: deque[Request] = deque()
         self._active: dict[int, Request] = {}
         self.stats = EngineStats()
-
-    def set_weights(self, params: Params, lora: Lora | None) -> None:
-        self.params, self.lora = params, lora
 
     def submit(self, request: Request) -> Request:
         """Queue a request; it is decoded by later `step`s (its callbacks fire then)."""

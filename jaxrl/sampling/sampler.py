@@ -70,8 +70,8 @@ def sample(params: Params, spec: ModelSpec, prompts: Sequence[Sequence[int]], ke
     """Sample one completion per prompt (lists of token ids; repeat a prompt for a group).
 
     cfg supplies temperature, top_k, top_p, min_p, max_new_tokens, stop strings and the number
-    of decode slots (module docstring); eos_ids end a
-    row (`jaxrl.hf.tokenizer.eos_token_ids` lists a model's); detokenize (ids -> text) is needed
+    of decode slots (module docstring); eos_ids end a row (`jaxrl.hf.tokenizer.eos_token_ids`
+    lists a model's; the first is the pad id after a row's end); detokenize (ids -> text) is needed
     for stop strings and fills `texts`. The same key, prompts and settings give the same output,
     and a row's output does not depend on the rows beside it. shardings: sample on a mesh; with
     several processes `prompts` are this process's rows (jaxrl/distributed.py) and so is the
@@ -101,12 +101,10 @@ def sample(params: Params, spec: ModelSpec, prompts: Sequence[Sequence[int]], ke
                 for i, ids in enumerate(prompts)]
     engine.run()
     out = SampleOutput(prompt_tokens=tokens, prompt_mask=mask,
-                       tokens=np.zeros((len(prompts), n), np.int32),
+                       tokens=np.full((len(prompts), n), eos_ids[0] if eos_ids else 0, np.int32),
                        mask=np.zeros((len(prompts), n), bool),
                        logprobs=np.zeros((len(prompts), n), np.float32),
                        finish_reasons=tuple(r.finish_reason for r in requests), texts=None)
-    pad_id = eos_ids[0] if eos_ids else 0
-    out.tokens[:] = pad_id
     for row, r in enumerate(requests):
         k = len(r.tokens)
         out.tokens[row, :k], out.mask[row, :k], out.logprobs[row, :k] = r.tokens, True, r.logprobs
