@@ -27,3 +27,16 @@ def init_cache(spec: ModelSpec, batch: int, max_len: int, dtype=jnp.float32) -> 
     shape = (spec.num_layers, batch, spec.num_kv_heads, max_len, spec.head_dim)
     return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
                    index=jnp.zeros((batch,), jnp.int32))
+
+
+def write_tokens(cache: KVCache, k: jax.Array, v: jax.Array) -> KVCache:
+    """The cache with every layer's keys and values k, v [L, B, T, K, D] of T new tokens
+    written at row b's slots [index[b], index[b] + T) and index advanced by T; slots past the
+    cache's end are dropped. One scatter of the new tokens alone: inside a jitted loop or on a
+    donated cache it updates the buffer in place, so a decode step writes T slots per row."""
+    b, t = k.shape[1:3]
+    rows = jnp.arange(b)[:, None]  # [B, 1]
+    slots = cache.index[:, None] + jnp.arange(t)  # [B, T]
+    put = lambda stack, new: stack.at[:, rows, :, slots].set(  # noqa: E731
+        new.transpose(1, 2, 0, 3, 4).astype(stack.dtype), mode="drop")  # new as [B, T, L, K, D]
+    return cache.replace(k=put(cache.k, k), v=put(cache.v, v), index=cache.index + t)
