@@ -188,8 +188,10 @@ class Program:
             if u.opcode in _SLICING and u.operands[0] == name:
                 total += shape_bytes(u.type)
                 continue
-            if u.opcode == "fusion" and u.operands.count(name) == 1:
-                nested = self.comps[u.attr("calls")]
+            nested = self.comps[u.attr("calls")] if u.opcode == "fusion" else None
+            if nested and all(i.opcode in _PASS_THROUGH | {"parameter"} for i in nested.instrs):
+                inner = self._sliced_bytes(comp, u.name)  # a fused relayout: follow its result
+            elif nested and u.operands.count(name) == 1:
                 inner = self._sliced_bytes(nested, nested.params[u.operands.index(name)])
             elif u.opcode in _PASS_THROUGH and len(u.operands) == 1:
                 inner = self._sliced_bytes(comp, u.name)
