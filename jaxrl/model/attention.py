@@ -6,6 +6,8 @@ query blocks.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -86,6 +88,19 @@ def _attend_blocks(q, parts, mask, c: int) -> jax.Array:
     return out.swapaxes(0, 1).reshape(b, -1, h * d)[:, :t]
 
 
+def _softmax_parts(scores: list[jax.Array]) -> list[jax.Array]:
+    """softmax over the last axis of the scores' concatenation, returned in the same parts,
+    without joining them (one part: `jax.nn.softmax`). With the cache's slots and the call's
+    own keys as two parts, the decode step never copies its [.., C + T] scores into one array."""
+    if len(scores) == 1:
+        return [jax.nn.softmax(scores[0], axis=-1)]
+    top = jax.lax.stop_gradient(
+        functools.reduce(jnp.maximum, [s.max(axis=-1, keepdims=True) for s in scores]))
+    exps = [jnp.exp(s - top) for s in scores]
+    total = sum(e.sum(axis=-1, keepdims=True) for e in exps)
+    return [e / total for e in exps]
+
+
 def _attend(q: jax.Array, parts, mask: jax.Array) -> jax.Array:
     """`attend` in one pass over all T queries; parts: (k, v, keys_transposed) of consecutive
     key ranges (the cache's, then the call's own), each read in place.
@@ -100,17 +115,17 @@ def _attend(q: jax.Array, parts, mask: jax.Array) -> jax.Array:
     kv = parts[0][0].shape[1]
     g = h // kv
     q = q.reshape(b, t, kv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, kv, t * g, d)  # [B,K,M,D]
-    scores = jnp.concatenate(
-        [jnp.einsum(f"bkmd,{'bkds' if tr else 'bksd'}->bkms", q, k,
-                    preferred_element_type=jnp.float32) for k, _, tr in parts], axis=-1)
-    scores = scores.reshape(b, kv, t, g, -1) * (d ** -0.5)  # [B, K, T, G, S]
-    scores = jnp.where(mask[:, None, :, None], scores, _MASKED)
-    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype).reshape(b, kv, t * g, -1)
-    out, start = 0.0, 0
-    for _, v, _ in parts:
+    scores, start = [], 0
+    for k, v, tr in parts:  # each part's scores [B, K, T, G, S_part], masked
         width = v.shape[2]
-        out = out + jnp.einsum("bkms,bksd->bkmd", probs[..., start:start + width], v,
-                               preferred_element_type=jnp.float32)
+        part = jnp.einsum(f"bkmd,{'bkds' if tr else 'bksd'}->bkms", q, k,
+                          preferred_element_type=jnp.float32)
+        part = part.reshape(b, kv, t, g, width) * (d ** -0.5)
+        scores.append(jnp.where(mask[:, None, :, None, start:start + width], part, _MASKED))
         start += width
+    out = 0.0
+    for (_, v, _), probs in zip(parts, _softmax_parts(scores)):
+        probs = probs.astype(q.dtype).reshape(b, kv, t * g, -1)
+        out = out + jnp.einsum("bkms,bksd->bkmd", probs, v, preferred_element_type=jnp.float32)
     out = out.reshape(b, kv, t, g, d).transpose(0, 2, 1, 3, 4)  # [B, T, K, G, D]
     return out.reshape(b, t, h * d).astype(q.dtype)
