@@ -172,11 +172,11 @@ def train(cfg: Config, log: Callable[[str], None] = print) -> Path:
                 last = now
                 metrics = distributed.combine_metrics(
                     _step_metrics(s, rollout, scored, adv, update, seconds))
-                if jax.process_index() == 0:  # one run log; every process has the same
-                    runlog.log_step(rollout.step + 1, metrics)
+                runlog.log_step(rollout.step + 1, metrics)  # process 0 writes the run log
                 every = cfg.logging.samples_every
                 if every and (rollout.step + 1) % every == 0:
-                    runlog.log_samples(rollout.step + 1, _sample_rows(rollout, scored))
+                    runlog.log_samples(rollout.step + 1, distributed.gather_row_lists(
+                        _sample_rows(rollout, scored), s.row_range[0]))
                 s.checkpoints.after_step(rollout.step + 1, s.state, s.key, s.data,
                                          None if ahead is None else pack_rollout(ahead))
                 s.progress(rollout.step + 1, metrics)

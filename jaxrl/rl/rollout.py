@@ -8,6 +8,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxrl import distributed
 from jaxrl.sampling.sampler import SampleOutput
 
 _OUT_ARRAYS = ("prompt_tokens", "prompt_mask", "tokens", "mask", "logprobs")
@@ -28,8 +29,8 @@ def pack_rollout(rollout: Rollout) -> tuple[dict[str, np.ndarray], dict[str, Any
     """(host arrays, JSON info) of a rollout, as a checkpoint holds it."""
     out = rollout.out
     arrays = {name: np.asarray(getattr(out, name)) for name in _OUT_ARRAYS}
-    if rollout.ref_logp is not None:
-        arrays["ref_logp"] = np.asarray(rollout.ref_logp)
+    if rollout.ref_logp is not None:  # this process's rows of it
+        arrays["ref_logp"] = distributed.rows_to_local(rollout.ref_logp)
     info = {"step": rollout.step, "records": rollout.records, "prompts": rollout.prompts,
             "finish_reasons": list(out.finish_reasons),
             "texts": None if out.texts is None else list(out.texts)}
