@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jaxrl.config import MeshConfig
+from jaxrl.config import ConfigError, MeshConfig
 from jaxrl.hf import load as hf_load
 from jaxrl.model.params import unflatten
 from jaxrl.quant.qparams import dequantize_params
@@ -77,27 +77,29 @@ def batch_shards(rules: MeshRules) -> dict[int, tuple[int, ...]]:
 
 @functools.lru_cache(maxsize=None)
 def check_layout(rules: MeshRules) -> None:
-    """DistributedError unless every process holds a contiguous run of batch shards, the same
-    number as every other process, that it holds alone or shares whole (module docstring)."""
+    """ConfigError unless every process holds a contiguous run of batch shards, the same number
+    as every other process, that it holds alone or shares whole (module docstring)."""
     held = batch_shards(rules)
     if len(held) == 1:
         return
     devices = rules.mesh.devices.size // len(held)
     inner = rules.mesh.devices.size // rules.batch_ways
-    fix = (f"lay the mesh out so that mesh.fsdp * mesh.tensor (now {inner}) divides or is a "
-           f"multiple of the {devices} devices of a host")
+    fix = (f"config keys mesh.data={rules.mesh.shape['data']}, mesh.fsdp="
+           f"{rules.mesh.shape['fsdp']}, mesh.tensor={rules.mesh.shape['tensor']} lay rows out "
+           "that no process can feed; choose mesh.fsdp * mesh.tensor (now "
+           f"{inner}) dividing the {devices} devices of a host or a multiple of them")
     for p, shards in held.items():
         if shards != tuple(range(shards[0], shards[-1] + 1)):
-            raise DistributedError(f"process {p} holds batch shards {list(shards)}, which are "
-                                   f"not contiguous rows; {fix}")
+            raise ConfigError(f"{fix}: process {p} would hold batch shards {list(shards)}, "
+                              "which are not contiguous rows")
         for q, other in held.items():
             if set(shards) & set(other) and shards != other:
-                raise DistributedError(f"processes {p} and {q} hold batch shards {list(shards)} "
-                                       f"and {list(other)}, which overlap without being the "
-                                       f"same rows; {fix}")
+                raise ConfigError(f"{fix}: processes {p} and {q} would hold batch shards "
+                                  f"{list(shards)} and {list(other)}, which overlap without "
+                                  "being the same rows")
     if len({len(s) for s in held.values()}) > 1:
-        raise DistributedError(f"processes hold different numbers of batch shards "
-                               f"({ {p: len(s) for p, s in held.items()} }); {fix}")
+        raise ConfigError(f"{fix}: processes would hold different numbers of batch shards "
+                          f"({ {p: len(s) for p, s in held.items()} })")
 
 
 def sharing(rules: MeshRules | None) -> int:
