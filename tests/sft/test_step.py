@@ -35,7 +35,7 @@ def setup():
 @functools.partial(jax.jit, static_argnums=(0, 4))
 def _grads(spec, params, lora, batch, micro=1):
     fn = jax.value_and_grad(sft_loss, has_aux=True)
-    return sum_over_micro_batches(lambda mb, w: fn(lora, params, spec, mb, w, SftOptions()),
+    return sum_over_micro_batches(lambda i, mb, w: fn(lora, params, spec, mb, w, SftOptions()),
                                   (batch, loss_weights(batch)), micro)
 
 
