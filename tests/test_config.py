@@ -330,6 +330,27 @@ def test_reward_cross_checks():
         apply_overrides(Config(), ["rewards.timeout_s=4"])
 
 
+def test_grpo_variant_cross_checks():
+    with _raises("config key 'grpo.delta' must be 0 (off) or > 1 + grpo.epsilon_high = 1.28, "
+                 "so that it caps only ratios the clip leaves alone; got 1.2"):
+        apply_overrides(Config(), ["grpo.epsilon_high=0.28", "grpo.delta=1.2"])
+    with _raises("grpo.loss=cispo normalizes by the batch's token count, as MiniMax-M1 does: set "
+                 "config key 'grpo.loss_agg' to token-mean; got 'seq-mean-token-mean'"):
+        apply_overrides(Config(), ["grpo.loss=cispo"])
+    with _raises("config key 'grpo.delta' (2.0) caps the clipped surrogate of grpo.loss=grpo; "
+                 "grpo.loss=cispo has none: set grpo.delta=0"):
+        apply_overrides(Config(), ["grpo.loss=cispo", "grpo.loss_agg=token-mean", "grpo.delta=2"])
+    with _raises("config key 'rewards.overlong_buffer' (129) must be at most "
+                 "'sampling.max_new_tokens' (128): the penalty zone ends there"):
+        apply_overrides(Config(), ["rewards.overlong_buffer=129"])
+    with _raises("config key 'grpo.top_entropy_quantile' must be >= 0 and <= 1; got 1.5"):
+        apply_overrides(Config(), ["grpo.top_entropy_quantile=1.5"])
+    ok = apply_overrides(Config(), ["grpo.loss=cispo", "grpo.loss_agg=token-mean",
+                                    "grpo.epsilon_low=1", "grpo.epsilon_high=4",
+                                    "grpo.importance_sampling=sequence", "rewards.overlong_buffer=128"])
+    assert (ok.grpo.loss, ok.grpo.epsilon_low, ok.rewards.overlong_buffer) == ("cispo", 1.0, 128)
+
+
 def test_secret_dropped_from_to_dict_and_dump(tmp_path):
     cfg = apply_overrides(Config(), ["judge.api_key=sk-test-123"])
     assert "api_key" not in to_dict(cfg)["judge"]
