@@ -347,7 +347,8 @@ def test_grpo_variant_cross_checks():
         apply_overrides(Config(), ["grpo.top_entropy_quantile=1.5"])
     ok = apply_overrides(Config(), ["grpo.loss=cispo", "grpo.loss_agg=token-mean",
                                     "grpo.epsilon_low=1", "grpo.epsilon_high=4",
-                                    "grpo.importance_sampling=sequence", "rewards.overlong_buffer=128"])
+                                    "grpo.importance_sampling=sequence",
+                                    "rewards.overlong_buffer=128"])
     assert (ok.grpo.loss, ok.grpo.epsilon_low, ok.rewards.overlong_buffer) == ("cispo", 1.0, 128)
 
 
