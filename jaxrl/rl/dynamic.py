@@ -16,7 +16,9 @@ known only after its completions are scored on the host, while the engine's slot
 when the round started; a round of the step's size reuses its programs, and its prompts beyond
 the shortfall cost no extra decode steps when slots are free (sampling.slots >= rows), only
 rows in the same chunks. Each process decides from its own groups; the round count is agreed
-with `agree` (the largest shortfall over processes), so every process runs the same programs.
+with `agree` (the largest shortfall over processes), so every process runs the same programs,
+and every process reassembles its batch (and reruns the reference pass on it) exactly when more
+than one round was sampled.
 
 Metrics (counts of this process's groups): dynamic/rounds, dynamic/sampled_groups,
 dynamic/discarded_groups (sampled without spread), dynamic/unused_groups (with spread, beyond
@@ -81,8 +83,8 @@ def fill_groups(first: Scored, draw: Callable[[int], Scored], group: int, max_ro
                "dynamic/unused_groups": float(with_spread - (share - short)),
                "dynamic/short_groups": float(short),
                "dynamic/first_reward_mean": float(np.mean(first[1].rewards))}
-    if len(parts) == 1 and picks == [(0, g) for g in range(share)]:
-        return first[0], first[1], metrics  # nothing to reassemble
+    if len(parts) == 1:  # one round: its groups as they are (spread or short), reference kept
+        return first[0], first[1], metrics
     rollout = take_groups([rollout for rollout, _ in parts], picks, group)
     return rollout, _scored_rows(parts, picks, group, first[1]), metrics
 
