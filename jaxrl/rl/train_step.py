@@ -136,7 +136,9 @@ def sum_over_micro_batches(fn, xs, micro_batches: int):
     first = jax.tree_util.tree_map(lambda x: x[0], split)
     zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype),
                                    jax.eval_shape(lambda i, x: fn(i, *x), *first))
-    body = lambda acc, x: (jax.tree_util.tree_map(jnp.add, acc, fn(x[0], *x[1])), None)  # noqa: E731
+
+    def body(acc, x):
+        return jax.tree_util.tree_map(jnp.add, acc, fn(x[0], *x[1])), None
     return jax.lax.scan(body, zeros, split)[0]
 
 

@@ -177,8 +177,10 @@ def test_gradient_matches_float64_central_differences(name):
     if cfg.loss == "cispo":  # the weight is detached: differentiate with it held fixed
         ratio = np.exp(logp - old)
         want = want - _cispo_weight_slope(logp, old, ref, adv, mask, cfg, ratio)
-    loss_fn = lambda lp: _loss(lp, _f32(old), _f32(adv), mask, cfg, ref_logp=_f32(ref),  # noqa: E731
-                               max_new_tokens=6, entropy=_f32(entropy))[0]
+
+    def loss_fn(lp):
+        return _loss(lp, _f32(old), _f32(adv), mask, cfg, ref_logp=_f32(ref), max_new_tokens=6,
+                     entropy=_f32(entropy))[0]
     loss, grad = jax.value_and_grad(loss_fn)(_f32(logp))
     assert np.isclose(loss, f(logp), atol=1e-6)
     np.testing.assert_allclose(grad, want, atol=2e-6, rtol=1e-4)
