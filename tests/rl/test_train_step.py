@@ -106,6 +106,7 @@ VARIANTS = GrpoConfig(beta=0.04, importance_sampling="sequence", epsilon_low=0.1
                       top_entropy_quantile=0.5)
 
 
+@pytest.mark.slow
 def test_variants_micro_batched_equal_whole_batch(setup):
     # the entropy selection is taken over the whole batch before it is split, and the
     # per-row metric (seq_clip_frac) is combined by rows, the others by tokens
@@ -119,6 +120,7 @@ def test_variants_micro_batched_equal_whole_batch(setup):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_lora_dropout_applies_in_training_with_a_key_per_update(setup):
     _, plain, _ = _run(setup)
     _, dropped, _ = _run(setup, dropout=0.5)

@@ -81,6 +81,7 @@ def test_an_nf4_base_trains_as_its_dequantized_weights(setup):
         np.testing.assert_allclose(a, b, atol=1e-5 * float(jnp.abs(b).max()))
 
 
+@pytest.mark.slow
 def test_lora_dropout_applies_with_a_key_per_update(setup):
     from jaxrl.config import OptimConfig
     from jaxrl.rl.train_step import init_train_state, make_optimizer
