@@ -42,7 +42,8 @@ def step_options(cfg: Config) -> StepOptions:
                           f"{rows} rows of a step (data.prompts_per_step * "
                           "grpo.num_generations)")
     return StepOptions(grpo=cfg.grpo, temperature=learner_temperature(cfg),
-                       max_new_tokens=cfg.sampling.max_new_tokens, micro_batches=rows // micro)
+                       max_new_tokens=cfg.sampling.max_new_tokens, micro_batches=rows // micro,
+                       seed=cfg.run.seed)
 
 
 def _load_model(cfg: Config, rules, log: Callable[[str], None]):
