@@ -200,7 +200,7 @@ def gather_row_lists(local: list, start: int) -> list:
 
 
 def check_shared_directory(path: Path, purpose: str) -> None:
-    """DistributedError unless every process sees the files process 0 writes under `path`."""
+    """ConfigError unless every process sees the files process 0 writes under `path`."""
     if jax.process_count() == 1:
         return
     token = path / ".jaxrl-shared-check"
@@ -214,9 +214,10 @@ def check_shared_directory(path: Path, purpose: str) -> None:
     if jax.process_index() == 0:
         token.unlink()
     if blind.size:
-        raise DistributedError(
-            f"processes {blind.tolist()} do not see {path} as process 0 writes it; {purpose} "
-            "needs run.output_dir on storage every process mounts (NFS, Filestore, gcsfuse)")
+        raise ConfigError(
+            f"config key 'run.output_dir': processes {blind.tolist()} do not see {path} as "
+            f"process 0 writes it; {purpose} needs run.output_dir on storage every process "
+            "mounts (NFS, Filestore, gcsfuse)")
 
 
 def combine_metrics(metrics: dict[str, float]) -> dict[str, float]:
