@@ -280,8 +280,6 @@ def quantized_bytes_per_param(shape: tuple[int, ...], block_size: int = 64,
 
 
 def as_dense(w: Any, dtype: Any) -> jax.Array:
-    """A kernel ready for a matmul in `dtype`: dequantized when it is a QTensor.
-
-    Called inside the per-layer body of the forward, so only one layer's dense weights exist at
-    a time."""
+    """A kernel ready for a matmul in `dtype`: dequantized when it is a QTensor (the LM head;
+    the layers' linears take `jaxrl.quant.qmatmul`, which never writes the dense kernel)."""
     return dequantize(w, dtype) if isinstance(w, QTensor) else w.astype(dtype)
