@@ -20,7 +20,7 @@ import re
 import sys
 
 from decode_traffic import DEFAULT_CONFIG, DEFAULT_OVERRIDES, compile_step
-from hlo_traffic import Program, shape_bytes
+from hlo_traffic import Program
 
 
 def _args():

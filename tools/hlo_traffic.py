@@ -4,13 +4,14 @@ XLA's `cost_analysis()` counts the body of a while loop once, whatever its trip 
 program built of loops (the decode chunk, the layer scan) its "bytes accessed" is far from what
 one call moves. This module walks the optimized HLO instead: every top-level instruction of a
 computation reads its operands and writes its result once (a fusion is one instruction: what it
-computes inside stays on chip), and a while loop's body counts `known_trip_count` times (loops
-XLA cannot count are reported). What a fusion reads of an operand only through a
-dynamic-slice / slice / gather is the slice (or the operand, if smaller); a fusion whose root is a dynamic-update-slice of
-one of its operands (or a scatter into it) updates that buffer in place and moves only the
-update (both as XLA's own cost model does). Only device memory (HBM) counts: arrays the TPU compiler places on chip
-(layout memory space S(1)) are free, so a copy-start that prefetches into it costs its read.
-Layout padding (TPU tiles) is not counted.
+computes inside stays on chip), and a while loop's body counts `known_trip_count` times, or the
+bound of its `counter < N` condition (loops it cannot count are reported). What a fusion reads
+of an operand only through a dynamic-slice / slice / gather is the slice (or the operand, if
+smaller); a fusion whose root is a dynamic-update-slice of one of its operands (or a scatter
+into it) updates that buffer in place and moves only the update (both as XLA's own cost model
+does). Only device memory (HBM) counts: arrays the TPU compiler places on chip (layout memory
+space S(1)) are free, so a copy-start that prefetches into it costs its read. Layout padding
+(TPU tiles) is not counted.
 
 Used by tools/decode_traffic.py and tools/collectives.py.
 """
@@ -261,13 +262,3 @@ def _result_of_start(m: Move) -> str:
     arrays = _ARRAY.findall(m.result_type)
     half = arrays[len(arrays) // 2:] if len(arrays) > 1 else arrays
     return " ".join(f"{d}[{s}]{layout}" for d, s, layout in half)
-
-
-def loop_free_check(compiled) -> tuple[float, float]:
-    """(XLA's bytes accessed, this module's total) for a compiled program without loops,
-    where the two should agree closely."""
-    analysis = compiled.cost_analysis()
-    if isinstance(analysis, list):
-        analysis = analysis[0]
-    ours = sum(m.bytes for m in Program(compiled.as_text()).moves())
-    return float(analysis["bytes accessed"]), ours

@@ -10,20 +10,22 @@ both forms here keep the packed order, level[n, j, k, o] = the codebook value of
 byte (n*K + k, o) (`select_levels`: selects, no gather), and regroup the inputs to match
 (x[..., n*Bk + 2k + j] as [..., n, k, j], a view of x, not a copy of W):
 
-  block form (memory_bound, e.g. a decode step): one matmul per scale block, scaled
-      after it: y[r, o] = sum_n scale[n, o] * sum_{j, k} x[r, n*Bk + 2k + j] * level[n, j, k, o].
-      Only selects and the permutation sit between the packed bytes and the matmul, so they
-      fuse into it and a step reads 0.5 bytes per weight plus the scales. The levels are in
-      x's dtype (bfloat16 rounds them, where a dense bfloat16 kernel rounds level * scale).
+  block form (memory_bound, e.g. a decode step): one matmul per scale block, scaled after it:
+      y[r, o] = sum_n scale[n, o] * sum_{j, k} x[r, n*Bk + 2k + j] * level[n, j, k, o].
+      Only selects sit between the packed bytes and the matmul, so the levels never need to
+      reach device memory (the TPU compiler keeps them on chip) and a step reads 0.5 bytes per
+      weight plus the scales. The levels are in x's dtype (bfloat16 rounds them, where a dense
+      bfloat16 kernel rounds level * scale).
   dense form (prefill, training): the even rows' kernel level * scale in x's dtype, in the
-      packed order, times the even inputs, plus the same for the odd rows. The kernel is written and read once per call,
-      which many tokens amortize, and the matmul runs at full rate, where the block form's
-      Bk-long contractions would use the matrix units at a fraction of it (and, where the
-      backend does not fuse the block sums, hold [..., N, O] partial products).
+      packed order, times the even inputs, plus the same for the odd rows. The kernel is
+      written and read once per call, which many tokens amortize, and the matmul runs at full
+      rate, where the block form's Bk-long contractions would use the matrix units at a
+      fraction of it (and, where the backend does not fuse the block sums, hold [..., N, O]
+      partial products).
 
-Rows stay the rows they are: both forms give each output the same products as x @
-dequantize(W) in x's dtype (the block form up to its levels' rounding), summed in another
-order (float32), so they agree with it to float32 rounding.
+Both forms give each output the same products as x @ dequantize(W) in x's dtype (the block
+form up to its levels' rounding), summed in another order (float32), so they agree with it to
+float32 rounding.
 """
 from __future__ import annotations
 

@@ -255,7 +255,8 @@ def reference_logprobs(params, tokens: jax.Array, positions: jax.Array, attn_mas
     return out.reshape(b, -1)  # [M, B / M, N] -> [B, N]
 
 
-def compile_reference(spec: ModelSpec, opts: StepOptions, shardings: tuple[Any, Any] | None = None):
+def compile_reference(spec: ModelSpec, opts: StepOptions,
+                      shardings: tuple[Any, Any] | None = None):
     """The jitted reference pass `(params, tokens, positions, attn_mask) -> [B, N]`.
     shardings: (in, out) from `jaxrl.sharding.reference_shardings`; None for one device."""
     placed = {} if shardings is None else {"in_shardings": shardings[0],
