@@ -140,8 +140,9 @@ def test_overload_gets_503_and_the_server_keeps_serving(tiny_chat_model):
 
         def ask():
             try:
-                replies.append(c.completions.create(model=handle.model_id, prompt="Hi", n=4,
-                                                    max_tokens=64, temperature=0))
+                replies.append(c.completions.create(  # each fills every slot for a while
+                    model=handle.model_id, prompt="Hi", n=4, max_tokens=200, temperature=0,
+                    logit_bias={"0": -100, "2": -100}))
             except openai.APIStatusError as error:
                 errors.append(error)
 
