@@ -8,7 +8,13 @@ and LoRA targets. Figures come from XLA's `memory_analysis()` of each compiled p
 device: arguments, outputs, temporaries, and peak = arguments + outputs - aliased (donated)
 buffers + temporaries. What stays on the device between programs counts too: while the sampler
 runs, the optimizer state (not one of its arguments) is still resident, so the sampler needs
-its peak plus that. The run fits when the larger need is within the device's memory.
+its peak plus that. The run fits when the larger need is within the memory the device's
+allocator hands out: on a GPU, XLA's allocator takes a fraction of the card
+(XLA_CLIENT_MEM_FRACTION, formerly XLA_PYTHON_CLIENT_MEM_FRACTION; 0.75 when unset; the
+launch scripts set 0.90), so `--device-memory GIB` names the card's memory and the plan fits
+against --mem-fraction (default: that variable) of it; a TPU chip's figure is what its
+compiler reports as usable. With several hosts the plan also checks that each host can feed
+the rows its chips hold (hosts whose chips share a batch shard sample and score it alike).
 
 `--topology v5e:4x4` compiles for a TPU slice without TPUs, through libtpu
 (`pip install -e '.[tpu]'`); without it the local devices are used.
@@ -38,8 +44,13 @@ def register(sub) -> None:
                       help="TPU slice to compile for without TPUs, e.g. v5e:2x2, v5e:4x4, "
                       "v5p:4x4x4 (needs libtpu); default: the local devices")
     plan.add_argument("--device-memory", metavar="GIB", type=float,
-                      help="memory per device to fit in (default: what the device reports, or "
-                      "the chip's HBM for a topology)")
+                      help="memory of each device, e.g. a GPU's card; the run gets "
+                      "--mem-fraction of it (default: the allocator's limit the device reports, "
+                      "or the usable HBM of a topology's chip)")
+    plan.add_argument("--mem-fraction", metavar="F", type=float,
+                      help="share of --device-memory XLA's GPU allocator takes (default: "
+                      "$XLA_CLIENT_MEM_FRACTION or $XLA_PYTHON_CLIENT_MEM_FRACTION, else 0.75, "
+                      "XLA's default)")
     plan.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides")
     plan.set_defaults(func=_plan)
 
@@ -263,10 +274,30 @@ def plan_memory(cfg, spec, rules) -> list[ProgramMemory | OutOfMemory]:
     return rows
 
 
-def device_memory(devices, override_gib: float | None) -> int | None:
-    """Bytes per device: the override, what the device reports, or the chip's known HBM."""
+XLA_DEFAULT_FRACTION = 0.75  # XLA's GPU allocator takes this share when no variable says
+
+
+def mem_fraction(override: float | None, env=os.environ) -> tuple[float, str]:
+    """(share of a GPU's memory XLA's allocator takes, where that share comes from)."""
+    if override is not None:
+        if not 0 < override <= 1:
+            from jaxrl.commands import UsageError
+
+            raise UsageError(f"--mem-fraction {override} must be in (0, 1]")
+        return override, "--mem-fraction"
+    for name in ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION"):
+        if env.get(name):
+            return float(env[name]), f"{name}={env[name]}"
+    return XLA_DEFAULT_FRACTION, "XLA's default; XLA_CLIENT_MEM_FRACTION is unset"
+
+
+def device_memory(devices, override_gib: float | None,
+                  fraction: float | None = None) -> tuple[int | None, str]:
+    """(bytes per device the run may use, how that figure was found): the override times the
+    allocator's fraction, the limit the device reports, or the chip's known HBM."""
     if override_gib is not None:
-        return int(override_gib * GIB)
+        share, source = mem_fraction(fraction)
+        return int(override_gib * share * GIB), f"{share:.2f} x {override_gib:.2f} GiB, {source}"
     import jax
 
     try:
@@ -274,18 +305,44 @@ def device_memory(devices, override_gib: float | None) -> int | None:
     except jax.errors.JaxRuntimeError:  # compile-only topology devices have no live statistics
         stats = None
     if stats and "bytes_limit" in stats:
-        return int(stats["bytes_limit"])
+        return int(stats["bytes_limit"]), "the allocator's limit the device reports"
     gib = DEVICE_MEMORY_GIB.get(devices[0].device_kind)
-    return None if gib is None else int(gib * GIB)
+    if gib is None:
+        return None, "the device reports none; pass --device-memory"
+    return int(gib * GIB), f"usable HBM of a {devices[0].device_kind} chip"
+
+
+def host_layout(cfg, rules) -> str:
+    """How the step's rows fall to the hosts of `rules`' devices; ConfigError when a host
+    cannot feed its rows (jaxrl/distributed.py)."""
+    from jaxrl import distributed
+    from jaxrl.config import ConfigError
+
+    held = distributed.batch_shards(rules)
+    if len(held) == 1:
+        return "one host"
+    distributed.check_layout(rules)
+    g, rows = cfg.grpo.num_generations, cfg.data.prompts_per_step * cfg.grpo.num_generations
+    sharers = sum(s == held[0] for s in held.values())
+    blocks = len(held) // sharers
+    if rows % rules.batch_ways or (rows // blocks) % g:
+        raise ConfigError(
+            f"config key 'data.prompts_per_step' = {cfg.data.prompts_per_step} must be a "
+            f"multiple of the {blocks} row blocks of this mesh, and its rows (x "
+            f"grpo.num_generations = {rows}) of the {rules.batch_ways} batch shards")
+    return (f"{len(held)} hosts x {rules.mesh.devices.size // len(held)} chips: {blocks} row "
+            f"blocks of {rows // blocks} rows, each held by {sharers} "
+            f"host{'s, which sample and score it alike' if sharers > 1 else ''}")
 
 
 def _gib(n: int) -> str:
     return f"{n / GIB:.2f}"
 
 
-def report(entries: list[ProgramMemory | OutOfMemory],
-           capacity: int | None) -> tuple[str, bool]:
-    """The table `jaxrl plan` prints, and whether the run fits."""
+def report(entries: list[ProgramMemory | OutOfMemory], capacity: int | None,
+           source: str = "") -> tuple[str, bool]:
+    """The table `jaxrl plan` prints, and whether the run fits; `source` says where the
+    capacity comes from."""
     lines = ["| program | argument | output | aliased | temporary | peak | + resident | need |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     rows = [e for e in entries if isinstance(e, ProgramMemory)]
@@ -298,8 +355,10 @@ def report(entries: list[ProgramMemory | OutOfMemory],
     need = max((r.need for r in rows), default=0)
     fits = not failed and (capacity is None or need <= capacity)
     cap = "unknown" if capacity is None else f"{_gib(capacity)} GiB"
+    cap += f" ({source})" if source else ""
+    spare = "" if capacity is None or not fits else f", {_gib(capacity - need)} GiB to spare"
     lines.append(f"GiB per device; needs {_gib(need)} GiB of {cap}: "
-                 f"{'fits' if fits else 'DOES NOT FIT'}")
+                 f"{'fits' if fits else 'DOES NOT FIT'}{spare}")
     return "\n".join(lines + failed), fits
 
 
@@ -321,7 +380,9 @@ def _plan(args) -> int:
           f"{dict(rules.mesh.shape)}; {cfg.data.prompts_per_step} x "
           f"{cfg.grpo.num_generations} rows, {cfg.data.max_prompt_tokens} prompt + "
           f"{cfg.sampling.max_new_tokens} new tokens; {cfg.quant.mode} + LoRA r{cfg.lora.rank}")
-    text, fits = report(plan_memory(cfg, spec, rules), device_memory(devices, args.device_memory))
+    print(f"hosts: {host_layout(cfg, rules)}")
+    text, fits = report(plan_memory(cfg, spec, rules),
+                        *device_memory(devices, args.device_memory, args.mem_fraction))
     print(text)
     if not fits:
         print("jaxrl plan: the run does not fit the device memory; shard further (mesh.fsdp), "

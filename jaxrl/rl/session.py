@@ -42,7 +42,8 @@ def step_options(cfg: Config) -> StepOptions:
                           f"{rows} rows of a step (data.prompts_per_step * "
                           "grpo.num_generations)")
     return StepOptions(grpo=cfg.grpo, temperature=learner_temperature(cfg),
-                       max_new_tokens=cfg.sampling.max_new_tokens, micro_batches=rows // micro)
+                       max_new_tokens=cfg.sampling.max_new_tokens, micro_batches=rows // micro,
+                       seed=cfg.run.seed)
 
 
 def _load_model(cfg: Config, rules, log: Callable[[str], None]):
@@ -110,12 +111,14 @@ class Session:
             cfg, self.spec, self.params, self.rules, self.key)
         pool = build_pool(cfg.data, keep=prompt_fits(self.tokenizer, cfg.data.max_prompt_tokens))
         self.data = train_iterator(pool, cfg.data)
-        self.checkpoints = Checkpoints(cfg, model_dir, self.spec, log)
+        self.checkpoints = Checkpoints(cfg, model_dir, self.spec, log, rows=self.row_range)
         # pending: the Rollout sampled before the update of start_step, when resumed with it
         self.state, self.key, self.start_step, self.pending = _resume(
             self.checkpoints, self.state, self.key, self.data)
         if shardings is not None:
             self.state = place(self.state, shardings[0][0])
+        if self.pending is not None and self.pending.ref_logp is not None:
+            self.pending.ref_logp = self.to_device(self.pending.ref_logp)
         self.rewards = RewardPool(cfg)
         self._progress, self._task = _progress_bar(cfg, self.start_step)
 

@@ -36,7 +36,8 @@ whole at every write) and in the activations' dtype elsewhere, which is lossless
 values are computed in that dtype.
 
 Several processes: each process queues its own requests and fills its own slots (the rows of
-the slot axis that its devices hold); the bucket sizes and whether to admit are agreed with
+the slot axis that its devices hold; processes whose devices share a batch shard hold the same
+slots and queue the same requests); the bucket sizes and whether to admit are agreed with
 `distributed.host_max`, so every process runs the same programs in the same order.
 """
 from __future__ import annotations
@@ -349,11 +350,11 @@ class Engine:
         return jax.device_get(tree) if self.shardings is None else distributed.rows_to_local(tree)
 
     def _rows(self, n: int) -> int:
-        """n rounded up to a power of two that, with several processes, splits over their
-        batch shards."""
+        """n rounded up to a power of two that, with several processes, splits over the batch
+        shards this process holds."""
         per_process = 1
         if self.shardings is not None and jax.process_count() > 1:
-            per_process = max(1, self.shardings.batch_ways // jax.process_count())
+            per_process = len(distributed.batch_shards(self.shardings)[jax.process_index()])
         return bucket(n, minimum=per_process)
 
     def _admit(self) -> None:
@@ -372,7 +373,8 @@ class Engine:
         for row, ids in enumerate(distinct):
             prompts[row, :len(ids)], lengths[row] = ids, len(ids)
         pad = m - n
-        offset = distributed.local_rows(self.shardings, u * jax.process_count())[0]
+        offset = distributed.local_rows(self.shardings,
+                                        distributed.global_rows(self.shardings, u))[0]
         rows = dict(
             src=np.asarray(src + [0] * pad, np.int32) + offset,
             dst=np.asarray(dst + [self.slots] * pad, np.int32),
