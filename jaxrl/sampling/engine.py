@@ -8,9 +8,10 @@ Slots. Each slot holds one request's row of the KV cache, left-aligned: its prom
 [0, len), its t-th new token in column len + t, so a token's cache column is its position and
 no slot carries padding. Beside the cache every slot holds, as arrays [S] on the device: the
 token to feed next, whether it is live, how many tokens it has generated, its token budget, its
-PRNG key and its decoding settings (`RowSettings`). A slot's t-th token is drawn with
-fold_in(key, t) under its own settings, so a request decodes the same tokens whatever slot it
-lands in and whatever decodes beside it.
+PRNG key and its decoding settings (`RowSettings`), and for the penalties which tokens its
+prompt holds and how often it generated each (`History`, [S, V] each). A slot's t-th token is
+drawn with fold_in(key, t) under its own settings, so a request decodes the same tokens
+whatever slot it lands in and whatever decodes beside it.
 
 Programs (jitted; static: the model spec, EOS ids, mesh and the shapes):
   admit     prefill U distinct prompts once (right-padded to P), copy row src[m]'s P cache
