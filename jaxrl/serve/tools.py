@@ -132,8 +132,11 @@ class ToolSyntax:
         return None, calls
 
 
-def syntax_of(template: str | None) -> ToolSyntax | None:
-    """The tool-call syntax a chat template's source uses, or None when it renders no tools."""
+def syntax_of(template: str | dict | None) -> ToolSyntax | None:
+    """The tool-call syntax a chat template's source uses (of any of them, for a tokenizer with
+    named templates), or None when it renders no tools."""
+    if isinstance(template, dict):
+        template = "\n".join(t for t in template.values() if isinstance(t, str))
     if not template:
         return None
     if _QWEN_OPEN in template:

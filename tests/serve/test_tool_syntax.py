@@ -53,5 +53,6 @@ def test_syntax_is_read_off_the_template_and_arguments_become_objects():
     assert syntax_of("... <tool_call> ...") == QWEN
     assert syntax_of("... ipython ...") == LLAMA
     assert syntax_of("{{ message['content'] }}") is None and syntax_of(None) is None
+    assert syntax_of({"default": "{{ m }}", "tool_use": "<tool_call>"}) == QWEN
     assert template_arguments('{"a": 1}') == {"a": 1}
     assert template_arguments("not json") == "not json"
