@@ -1,6 +1,6 @@
 """`jaxrl plan [--config FILE] [--topology NAME] [--device-memory GIB] [key=value ...]`: compile
-the sampler and the GRPO step for a configuration from abstract shapes (no weights are read or
-allocated) and report their per-device memory.
+the sampler, the reference pass and the GRPO step for a configuration from abstract shapes (no
+weights are read or allocated) and report their per-device memory.
 
 The programs are the ones `jaxrl train` runs, lowered with the run's mesh, shardings, batch
 (data.prompts_per_step x grpo.num_generations rows), prompt and completion buckets, NF4 layout
@@ -8,7 +8,8 @@ and LoRA targets. Figures come from XLA's `memory_analysis()` of each compiled p
 device: arguments, outputs, temporaries, and peak = arguments + outputs - aliased (donated)
 buffers + temporaries. What stays on the device between programs counts too: while the sampler
 runs, the optimizer state (not one of its arguments) is still resident, so the sampler needs
-its peak plus that. The run fits when the larger need is within the memory the device's
+its peak plus that (and the reference pass, which takes no adapter, its peak plus the whole
+train state). The run fits when the largest need is within the memory the device's
 allocator hands out: on a GPU, XLA's allocator takes a fraction of the card
 (XLA_CLIENT_MEM_FRACTION, formerly XLA_PYTHON_CLIENT_MEM_FRACTION; 0.75 when unset; the
 launch scripts set 0.90), so `--device-memory GIB` names the card's memory and the plan fits
@@ -237,6 +238,26 @@ def lower_step(cfg, spec, rules, run: AbstractRun):
     return step.lower(run.state, run.params, batch)
 
 
+def lower_reference(cfg, spec, rules, run: AbstractRun):
+    """The GRPO reference pass (the frozen base's log-probs of a step's rows) lowered for the
+    step's batch, micro-batched as the update is."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxrl.rl.session import step_options
+    from jaxrl.rl.train_step import compile_reference
+    from jaxrl.sampling.buckets import bucket
+    from jaxrl.sharding import reference_shardings
+
+    b = run.rows
+    s = bucket(cfg.data.max_prompt_tokens) + cfg.sampling.max_new_tokens
+    shardings = reference_shardings(rules, run.params, spec, b)
+    rows = jax.ShapeDtypeStruct((b, s), jnp.int32, sharding=shardings[1])
+    mask = jax.ShapeDtypeStruct((b, s), jnp.bool_, sharding=shardings[1])
+    return compile_reference(spec, step_options(cfg), shardings).lower(run.params, rows, rows,
+                                                                       mask)
+
+
 class OutOfMemory(RuntimeError):
     """The compiler itself found that a program cannot fit the device (TPU compiles refuse)."""
 
@@ -259,13 +280,16 @@ def _memory(name: str, lowered, resident_other: int = 0) -> ProgramMemory:
 
 
 def plan_memory(cfg, spec, rules) -> list[ProgramMemory | OutOfMemory]:
-    """Compiles the sampler and the GRPO step of `cfg` on `rules`' mesh from abstract shapes;
-    a program the compiler refuses for lack of device memory is an `OutOfMemory` entry."""
+    """Compiles the sampler, the reference pass and the GRPO step of `cfg` on `rules`' mesh
+    from abstract shapes; a program the compiler refuses for lack of device memory is an
+    `OutOfMemory` entry."""
     run = abstract_run(cfg, spec, rules)
     opt_bytes = per_device_bytes(run.state.opt_state, run.state_shardings.opt_state)
+    state_bytes = per_device_bytes(run.state, run.state_shardings)
     rows = []
     for name, lower, resident in (("sampler", lower_sampler, opt_bytes),
                                   ("prefill", lower_prefill, opt_bytes),
+                                  ("reference", lower_reference, state_bytes),
                                   ("grpo step", lower_step, 0)):
         try:
             rows.append(_memory(name, lower(cfg, spec, rules, run), resident))

@@ -22,10 +22,10 @@ from jaxrl.lora.start import start_lora
 from jaxrl.model.families import load_spec
 from jaxrl.quant.qparams import dequantize_strategy
 from jaxrl.rewards.pool import RewardPool, pipelined
-from jaxrl.rl.logprobs import token_logprobs
 from jaxrl.rl.rollout import unpack_rollout
-from jaxrl.rl.train_step import StepOptions, compile_train_step, init_train_state, make_optimizer
-from jaxrl.sharding import place, step_shardings
+from jaxrl.rl.train_step import (StepOptions, compile_reference, compile_train_step,
+                                 init_train_state, make_optimizer)
+from jaxrl.sharding import place, reference_shardings, step_shardings
 
 
 def learner_temperature(cfg: Config) -> float:
@@ -130,14 +130,19 @@ class Session:
 
     @functools.cached_property
     def _reference_fn(self):
-        return jax.jit(lambda params, tokens, mask, positions, width: token_logprobs(
-            params, self.spec, tokens, positions, mask, None, start=tokens.shape[1] - width,
-            temperature=learner_temperature(self.cfg), remat=False)[0],
-            static_argnums=4)
+        rows = self.cfg.data.prompts_per_step * self.cfg.grpo.num_generations
+        shardings = (None if self.rules is None
+                     else reference_shardings(self.rules, self.params, self.spec, rows))
+        return compile_reference(self.spec, step_options(self.cfg), shardings)
 
     def reference_logprobs(self, tokens, mask, positions, width: int) -> jax.Array:
-        """Log-probs [B, width] of the completion tokens under the frozen base (LoRA off)."""
-        return self._reference_fn(self.params, *self.to_device((tokens, mask, positions)), width)
+        """Log-probs [B, width] of the completion tokens under the frozen base (LoRA off),
+        micro-batched as the update is."""
+        if width != self.cfg.sampling.max_new_tokens:
+            raise ValueError(f"the reference pass scores sampling.max_new_tokens = "
+                             f"{self.cfg.sampling.max_new_tokens} completion columns; got {width}")
+        tokens, mask, positions = self.to_device((tokens, mask, positions))
+        return self._reference_fn(self.params, tokens, positions, mask)
 
     def to_device(self, rows):
         """This process's rows [R, ...] (numpy) as the programs take them (jaxrl/distributed.py)."""

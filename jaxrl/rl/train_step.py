@@ -1,4 +1,5 @@
-"""One GRPO policy update: jitted, LoRA and optimizer state donated, micro-batched.
+"""One GRPO policy update: jitted, LoRA and optimizer state donated, micro-batched; and the
+reference pass, micro-batched alike.
 
 Glossary: B completions, S = P + N tokens per row (left-padded prompt of width P, completion of
 width N), M micro-batches of B / M rows.
@@ -230,6 +231,37 @@ def train_step(state: TrainState, params, batch: Batch, *, spec: ModelSpec,
     entropy = metrics.pop("entropy_sum") / jnp.maximum(metrics.pop("tokens"), 1.0)
     return new_state, {"loss": loss, "grad_norm": optax.global_norm(grads), "entropy": entropy,
                        "skipped": (~finite).astype(jnp.int32), **metrics}
+
+
+def reference_logprobs(params, tokens: jax.Array, positions: jax.Array, attn_mask: jax.Array, *,
+                       spec: ModelSpec, opts: StepOptions) -> jax.Array:
+    """The GRPO reference pass: log-probs [B, N] (N = opts.max_new_tokens) of each row's last N
+    tokens under the frozen base (LoRA off, so no dropout either), at the learner's temperature,
+    opts.micro_batches micro-batches one at a time as the update takes them, so its
+    activations are the size of the update's forward."""
+    def score(tok, pos, mask):
+        return token_logprobs(params, spec, tok, pos, mask, None,
+                              start=tok.shape[1] - opts.max_new_tokens, chunk=opts.logprob_chunk,
+                              temperature=opts.temperature, remat=False)[0]
+
+    b, m = tokens.shape[0], opts.micro_batches
+    if b % m:
+        raise ValueError(f"batch of {b} rows does not split into {m} micro-batches; set "
+                         "optim.micro_batch_size to a divisor of prompts_per_step * "
+                         "num_generations")
+    if m == 1:
+        return score(tokens, positions, attn_mask)
+    out = jax.lax.map(lambda xs: score(*xs), _split((tokens, positions, attn_mask), m))
+    return out.reshape(b, -1)  # [M, B / M, N] -> [B, N]
+
+
+def compile_reference(spec: ModelSpec, opts: StepOptions, shardings: tuple[Any, Any] | None = None):
+    """The jitted reference pass `(params, tokens, positions, attn_mask) -> [B, N]`.
+    shardings: (in, out) from `jaxrl.sharding.reference_shardings`; None for one device."""
+    placed = {} if shardings is None else {"in_shardings": shardings[0],
+                                           "out_shardings": shardings[1]}
+    return jax.jit(lambda params, tokens, positions, mask: reference_logprobs(
+        params, tokens, positions, mask, spec=spec, opts=opts), **placed)
 
 
 def jit_step(step, shardings: tuple[Any, Any] | None = None):

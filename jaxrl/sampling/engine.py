@@ -30,11 +30,11 @@ slots whose request finished (an EOS id, or its max_new_tokens). `Engine.run` st
 queue is empty and no slot is live.
 
 Both programs run the model's `lax.scan` over the stacked layers (`hidden_states`), the loop
-training runs, with NF4 kernels dequantized one layer at a time inside it and the stacked cache
-in the scan's carry, where each step writes only its new token per slot. The cache is float32
-on CPU (XLA:CPU computes bf16 elementwise ops in float32, so a bf16 cache would be converted
-whole at every write) and in the activations' dtype elsewhere, which is lossless: keys and
-values are computed in that dtype.
+training runs, with NF4 kernels dequantized one layer at a time inside it; the scan reads each
+layer's cache in place and each step writes only its new token per slot, once, after the scan
+(`kv_cache.write_tokens`), into the donated state. The cache is float32 on CPU (XLA:CPU
+converts a bf16 cache whole to float32 for that write) and in the activations' dtype
+elsewhere, which is lossless: keys and values are computed in that dtype.
 
 Several processes: each process queues its own requests and fills its own slots (the rows of
 the slot axis that its devices hold; processes whose devices share a batch shard hold the same

@@ -50,7 +50,9 @@ def test_forward_on_nf4_equals_forward_on_its_dequantized_weights(tiny_dir):
                                    qparams, is_leaf=lambda x: isinstance(x, QTensor))
     tokens, mask = padded_batch(length=16)
     got, want = _logits(spec, qparams, tokens, mask), _logits(spec, dense, tokens, mask)
-    np.testing.assert_allclose(got[mask], want[mask], atol=1e-6, rtol=0)
+    # The quantized matmul sums the same float32 products per scale block (jaxrl/quant/
+    # qmatmul.py), so the logits agree to float32 rounding (3.5e-6 here), not bit for bit.
+    np.testing.assert_allclose(got[mask], want[mask], atol=1e-5, rtol=0)
     _, fp = load_params(tiny_dir)
     full = _logits(spec, fp, tokens, mask)
     assert np.abs(got - full)[mask].max() > 1e-3  # quantization did change the weights

@@ -1,5 +1,5 @@
-"""`jaxrl plan`: compile the sampler and the GRPO step from abstract shapes and report memory;
-with libtpu, for a TPU slice (skipped without it: pip install -e '.[tpu]')."""
+"""`jaxrl plan`: compile the sampler, reference pass and GRPO step from abstract shapes and
+report memory; with libtpu, for a TPU slice (skipped without it: pip install -e '.[tpu]')."""
 import importlib.util
 import json
 import os
@@ -49,6 +49,7 @@ def test_plan_on_local_devices_exits_1_when_it_does_not_fit(config, capsys):
     out, err = capsys.readouterr()
     assert "mesh {'data': 2, 'fsdp': 2, 'tensor': 2}" in out and "hosts: one host" in out
     assert "| sampler |" in out and "| grpo step |" in out and "DOES NOT FIT" in out
+    assert "| reference |" in out
     assert "does not fit the device memory" in err
 
 
