@@ -39,6 +39,9 @@ setup(
         "datasets>=3.0",
         "tensorstore>=0.1.70",
         "openai>=1.50",
+        "uvicorn>=0.30",  # jaxrl serve: the HTTP server
+        "starlette>=0.40",  # jaxrl serve: the ASGI application
+        "prometheus_client>=0.20",  # jaxrl serve: /metrics
         "grain>=0.2.10",
         "numpy>=1.26",
         "pyyaml>=6.0",

@@ -194,15 +194,15 @@ def lower_prefill(cfg, spec, rules, run: AbstractRun):
 
     from jaxrl.sampling.buckets import bucket
     from jaxrl.sampling.engine import abstract_slots, admit
-    from jaxrl.sampling.sampling_fns import RowSettings
+    from jaxrl.sampling.sampling_fns import Decoding, RowSettings
 
     slots = bucket(run.rows, minimum=1)
     state = abstract_slots(run.params, spec, slots, _capacity(cfg), rules)
     u, p = bucket(cfg.data.prompts_per_step, minimum=1), bucket(cfg.data.max_prompt_tokens)
     sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rules.rows(shape))
     m = (slots,)
-    settings = RowSettings(temperature=sds(m, jnp.float32), top_k=sds(m, jnp.int32),
-                           top_p=sds(m, jnp.float32), min_p=sds(m, jnp.float32))
+    settings = jax.tree_util.tree_map(lambda a: sds(a.shape, a.dtype),
+                                      RowSettings.of([Decoding()] * slots))
     return admit.lower(state, run.params, run.lora, sds((u, p), jnp.int32), sds((u,), jnp.int32),
                        sds(m, jnp.int32), sds(m, jnp.int32), sds((slots, 2), jnp.uint32),
                        settings, sds(m, jnp.int32), spec=spec,
