@@ -197,6 +197,94 @@ def row_shardings(rules: MeshRules, tree):
         lambda a: rules.rows(a.shape) if a.ndim else rules.replicated, tree)
 
 
+def _remapped(rules: MeshRules, moves: dict[str, tuple[str, ...]]) -> MeshRules:
+    """`rules` with the logical axes named in `moves` mapped to other mesh axes."""
+    return MeshRules(rules.mesh, tuple((n, moves.get(n, axes)) for n, axes in rules.rules))
+
+
+def compute_rules(rules: MeshRules) -> MeshRules:
+    """The layout weights are used in by a call with many tokens per row (prefill, training):
+    the hidden dim gathered (FSDP gathers a layer's weights, NF4 codes and scales as stored,
+    just before the layer runs), the tensor splits kept."""
+    return _remapped(rules, {"embed": ()})
+
+
+def head_rules(rules: MeshRules) -> MeshRules:
+    """The layout of the LM head and its logits [rows, ..., V]: the vocab dim split over every
+    mesh axis that splits the head's hidden dim (FSDP) or its vocab (tensor), the rows over
+    the batch axes left over, the hidden dim whole. Contracting over a split hidden dim would
+    leave partial float32 logits of every row to all-reduce whole; this way a decode step
+    reduce-scatters them over the vocab (its weight stays as stored) and the learner reshards
+    the weight once per call, and the log-softmax and the sampler reduce only [rows] maxima,
+    sums and [rows, k] candidates across the vocab split."""
+    embed = rules.mesh_axes("embed")
+    vocab = embed + tuple(a for a in rules.mesh_axes("vocab") if a not in embed)
+    batch = tuple(a for a in rules.mesh_axes("batch") if a not in vocab)
+    return _remapped(rules, {"batch": batch, "vocab": vocab, "embed": ()})
+
+
+def layer_weights(rules: MeshRules | None, lp, ll, spec: ModelSpec):
+    """One layer's weights `lp` and adapter `ll` (slices of the stacked layers, QTensors
+    included) constrained to `compute_rules`: gathered over the FSDP axes inside the layer
+    loop, so each layer's NF4 codes cross the mesh rather than its activations' partial sums.
+    Unchanged without a mesh."""
+    if rules is None:
+        return lp, ll
+    use, decls = compute_rules(rules), declare(spec)
+    placed = {}
+    for path, leaf in flatten(lp).items():
+        axes = decls[f"layers/{path}"].axes[1:]
+        placed[path] = (_qtensor(use, leaf, axes) if isinstance(leaf, QTensor)
+                        else use.named(axes, leaf.shape))
+    lp = constrain(lp, unflatten(placed))
+    if ll is None:
+        return lp, None
+    adapters = {}
+    for name, ab in ll.items():
+        fan_in, fan_out = decls[f"layers/{name}/kernel"].axes[1:]
+        adapters[name] = {"a": use.named((fan_in, "lora_rank"), ab["a"].shape),
+                          "b": use.named(("lora_rank", fan_out), ab["b"].shape)}
+    return lp, constrain(ll, adapters)
+
+
+def split_rows(rules: MeshRules | None, x: jax.Array) -> jax.Array:
+    """x [B, ...] constrained to rows split over the batch axes, every other dim whole (the
+    hidden states between layers); unchanged without a mesh."""
+    return x if rules is None else jax.lax.with_sharding_constraint(x, rules.rows(x.shape))
+
+
+def head_weights(rules: MeshRules | None, params, spec: ModelSpec):
+    """params with the LM head's weight (the tied embedding, or lm_head) constrained to
+    `head_rules`: for the learner, which applies the head to many rows, once per call.
+    Unchanged without a mesh."""
+    if rules is None:
+        return params
+    path = "embed_tokens/embedding" if spec.tie_word_embeddings else "lm_head/kernel"
+    flat = flatten(params)
+    leaf, axes, use = flat[path], declare(spec)[path].axes, head_rules(rules)
+    placed = _qtensor(use, leaf, axes) if isinstance(leaf, QTensor) else use.named(axes,
+                                                                                      leaf.shape)
+    flat[path] = constrain(leaf, placed)
+    return unflatten(flat)
+
+
+def head_logits(rules: MeshRules | None, logits: jax.Array) -> jax.Array:
+    """Logits [rows, ..., V] constrained to `head_rules` (unchanged without a mesh)."""
+    if rules is None:
+        return logits
+    axes = ("batch",) + (None,) * (logits.ndim - 2) + ("vocab",)
+    return jax.lax.with_sharding_constraint(logits, head_rules(rules).named(axes, logits.shape))
+
+
+def vocab_shards(rules: MeshRules | None, rows: int, vocab: int) -> int:
+    """How many parts `head_logits` splits the vocab of [rows, V] logits into (1 without a
+    mesh): the sampler takes its top-k per part and exchanges [rows, k]."""
+    if rules is None:
+        return 1
+    part = head_rules(rules).spec(("batch", "vocab"), (rows, vocab))[1]
+    return math.prod(rules.mesh.shape[a] for a in (part or ()))
+
+
 def constrain(tree, shardings):
     """`with_sharding_constraint` over matching trees (QTensors included)."""
     return jax.tree_util.tree_map(jax.lax.with_sharding_constraint, tree, shardings)

@@ -234,7 +234,7 @@ def lower_step(cfg, spec, rules, run: AbstractRun):
                   logp_old=sds((b, n), jnp.float32), advantages=sds((b,), jnp.float32),
                   ref_logp=sds((b, n), jnp.float32) if cfg.grpo.beta > 0 else None)
     shardings = step_shardings(rules, run.state, run.params, spec, run.optimizer, b)
-    step = compile_train_step(spec, run.optimizer, step_options(cfg), shardings)
+    step = compile_train_step(spec, run.optimizer, step_options(cfg, rules), shardings)
     return step.lower(run.state, run.params, batch)
 
 
@@ -254,8 +254,8 @@ def lower_reference(cfg, spec, rules, run: AbstractRun):
     shardings = reference_shardings(rules, run.params, spec, b)
     rows = jax.ShapeDtypeStruct((b, s), jnp.int32, sharding=shardings[1])
     mask = jax.ShapeDtypeStruct((b, s), jnp.bool_, sharding=shardings[1])
-    return compile_reference(spec, step_options(cfg), shardings).lower(run.params, rows, rows,
-                                                                       mask)
+    return compile_reference(spec, step_options(cfg, rules), shardings).lower(
+        run.params, rows, rows, mask)
 
 
 class OutOfMemory(RuntimeError):

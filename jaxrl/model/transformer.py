@@ -21,6 +21,7 @@ from jaxrl.model.kv_cache import KVCache, write_tokens
 from jaxrl.model.params import LINEAR_NAMES
 from jaxrl.quant.nf4 import QTensor, as_dense
 from jaxrl.quant.qmatmul import qmatmul
+from jaxrl.sharding import MeshRules, layer_weights, split_rows
 
 Params = dict[str, Any]
 
@@ -134,7 +135,8 @@ def cached_mask(attn_mask: jax.Array, t: int, start: jax.Array) -> jax.Array:
 
 def hidden_states(params: Params, tokens: jax.Array, positions: jax.Array, spec: ModelSpec, *,
                   attn_mask: jax.Array | None = None, cache: KVCache | None = None,
-                  lora: Lora | None = None, rng: jax.Array | None = None, remat: bool = False):
+                  lora: Lora | None = None, rng: jax.Array | None = None, remat: bool = False,
+                  shardings: MeshRules | None = None):
     """Final-normed hidden states [B, T, E] and the updated cache (None without one).
 
     lora: adapters added to their target linears (None = the frozen base alone, which is also
@@ -146,6 +148,10 @@ def hidden_states(params: Params, tokens: jax.Array, positions: jax.Array, spec:
     new tokens attend causally to its filled slots [0, cache.index[b]) and to each other, then
     are written at slots [cache.index[b], cache.index[b] + T) (`write_tokens`): the layer scan
     reads each layer's cache as a scanned input and never carries the cache.
+    shardings: the mesh the arrays lie on (None: one device, or let the partitioner choose).
+    A call with more than one token per row gathers each layer's weights over the FSDP axes
+    inside the loop (`jaxrl.sharding.layer_weights`); a decode step (one token per row) leaves
+    them split and moves its few activations instead.
     """
     b, t = tokens.shape
     if attn_mask is None:
@@ -155,10 +161,13 @@ def hidden_states(params: Params, tokens: jax.Array, positions: jax.Array, spec:
     else:
         mask = cached_mask(attn_mask, t, cache.index)
     rope = rope_tables(positions, spec)
-    h = embed(params["embed_tokens"]["embedding"], tokens)  # [B, T, E]
+    many = shardings if t > 1 else None  # the layout of a call with many tokens per row
+    h = split_rows(many, embed(params["embed_tokens"]["embedding"], tokens))  # [B, T, E]
 
     def layer(h, xs):
         lp, ll, key, kv = xs
+        lp, ll = layer_weights(many, lp, ll, spec)
+        h = split_rows(many, h)
         attention = _attention(mask) if kv is None else _cached_attention(mask, *kv)
         return decoder_layer(h, lp, projector(lp, ll, lora, key), rope, spec, attention)
 

@@ -25,7 +25,7 @@ from jaxrl.rewards.pool import RewardPool, pipelined
 from jaxrl.rl.rollout import unpack_rollout
 from jaxrl.rl.train_step import (StepOptions, compile_reference, compile_train_step,
                                  init_train_state, make_optimizer)
-from jaxrl.sharding import place, reference_shardings, step_shardings
+from jaxrl.sharding import MeshRules, place, reference_shardings, step_shardings
 
 
 def learner_temperature(cfg: Config) -> float:
@@ -33,8 +33,9 @@ def learner_temperature(cfg: Config) -> float:
     return cfg.sampling.temperature if cfg.sampling.temperature > 0 else 1.0
 
 
-def step_options(cfg: Config) -> StepOptions:
-    """The train step's static settings; micro-batches from optim.micro_batch_size."""
+def step_options(cfg: Config, rules: MeshRules | None = None) -> StepOptions:
+    """The train step's static settings on `rules`' mesh (None: one device); micro-batches
+    from optim.micro_batch_size."""
     rows = cfg.data.prompts_per_step * cfg.grpo.num_generations
     micro = cfg.optim.micro_batch_size or rows
     if rows % micro:
@@ -43,7 +44,7 @@ def step_options(cfg: Config) -> StepOptions:
                           "grpo.num_generations)")
     return StepOptions(grpo=cfg.grpo, temperature=learner_temperature(cfg),
                        max_new_tokens=cfg.sampling.max_new_tokens, micro_batches=rows // micro,
-                       seed=cfg.run.seed)
+                       seed=cfg.run.seed, mesh=rules)
 
 
 def _load_model(cfg: Config, rules, log: Callable[[str], None]):
@@ -76,7 +77,7 @@ def _trainer(cfg: Config, spec, params, rules, key: jax.Array):
     rows = cfg.data.prompts_per_step * cfg.grpo.num_generations
     shardings = None if rules is None else step_shardings(rules, state, params, spec, optimizer,
                                                           rows)
-    train_step = compile_train_step(spec, optimizer, step_options(cfg), shardings)
+    train_step = compile_train_step(spec, optimizer, step_options(cfg, rules), shardings)
     return state, schedule, train_step, shardings
 
 
@@ -133,7 +134,7 @@ class Session:
         rows = self.cfg.data.prompts_per_step * self.cfg.grpo.num_generations
         shardings = (None if self.rules is None
                      else reference_shardings(self.rules, self.params, self.spec, rows))
-        return compile_reference(self.spec, step_options(self.cfg), shardings)
+        return compile_reference(self.spec, step_options(self.cfg, self.rules), shardings)
 
     def reference_logprobs(self, tokens, mask, positions, width: int) -> jax.Array:
         """Log-probs [B, width] of the completion tokens under the frozen base (LoRA off),
