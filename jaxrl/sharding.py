@@ -20,9 +20,11 @@ axes of the kernel they adapt; the optimizer's moments take those of the LoRA le
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.experimental import mesh_utils
@@ -151,14 +153,18 @@ def _qtensor(rules: MeshRules, q: QTensor, axes: tuple[str, ...]) -> QTensor:
                      scale_scales=lead_only(q.scale_scales), scale_offset=lead_only(q.scale_offset))
 
 
+HEAD_PATHS = ("embed_tokens/embedding", "lm_head/kernel")  # laid out by `head_rules`
+
+
 def param_shardings(rules: MeshRules, params, spec: ModelSpec):
-    """Shardings for a params pytree (arrays, ShapeDtypeStructs or QTensors of either)."""
+    """Shardings for a params pytree (arrays, ShapeDtypeStructs or QTensors of either): each
+    weight by its logical axes, the embedding table and LM head by `head_rules`."""
     decls = declare(spec)
     out = {}
     for path, leaf in flatten(params).items():
-        axes = decls[path].axes
-        out[path] = (_qtensor(rules, leaf, axes) if isinstance(leaf, QTensor)
-                     else rules.named(axes, leaf.shape))
+        axes, use = decls[path].axes, head_rules(rules) if path in HEAD_PATHS else rules
+        out[path] = (_qtensor(use, leaf, axes) if isinstance(leaf, QTensor)
+                     else use.named(axes, leaf.shape))
     return unflatten(out)
 
 
@@ -210,13 +216,14 @@ def compute_rules(rules: MeshRules) -> MeshRules:
 
 
 def head_rules(rules: MeshRules) -> MeshRules:
-    """The layout of the LM head and its logits [rows, ..., V]: the vocab dim split over every
-    mesh axis that splits the head's hidden dim (FSDP) or its vocab (tensor), the rows over
-    the batch axes left over, the hidden dim whole. Contracting over a split hidden dim would
-    leave partial float32 logits of every row to all-reduce whole; this way a decode step
-    reduce-scatters them over the vocab (its weight stays as stored) and the learner reshards
-    the weight once per call, and the log-softmax and the sampler reduce only [rows] maxima,
-    sums and [rows, k] candidates across the vocab split."""
+    """The layout of the embedding table, the LM head and the logits [rows, ..., V]: the vocab
+    split over every mesh axis that the rules split the hidden dim (FSDP) or the vocab
+    (tensor) over, the rows over the batch axes left over, the hidden dim whole. A head that
+    contracted over an FSDP-split hidden dim would leave partial float32 logits of every row
+    to all-reduce whole; split by the vocab, each device computes its part of the logits from
+    its part of the table, and the log-softmax and the sampler reduce only [rows] maxima and
+    sums and exchange [rows, k] candidates across the split. A table split so holds as many
+    bytes per device; looking tokens up in it sums [rows, T, E] across the split."""
     embed = rules.mesh_axes("embed")
     vocab = embed + tuple(a for a in rules.mesh_axes("vocab") if a not in embed)
     batch = tuple(a for a in rules.mesh_axes("batch") if a not in vocab)
@@ -253,21 +260,6 @@ def split_rows(rules: MeshRules | None, x: jax.Array) -> jax.Array:
     return x if rules is None else jax.lax.with_sharding_constraint(x, rules.rows(x.shape))
 
 
-def head_weights(rules: MeshRules | None, params, spec: ModelSpec):
-    """params with the LM head's weight (the tied embedding, or lm_head) constrained to
-    `head_rules`: for the learner, which applies the head to many rows, once per call.
-    Unchanged without a mesh."""
-    if rules is None:
-        return params
-    path = "embed_tokens/embedding" if spec.tie_word_embeddings else "lm_head/kernel"
-    flat = flatten(params)
-    leaf, axes, use = flat[path], declare(spec)[path].axes, head_rules(rules)
-    placed = _qtensor(use, leaf, axes) if isinstance(leaf, QTensor) else use.named(axes,
-                                                                                      leaf.shape)
-    flat[path] = constrain(leaf, placed)
-    return unflatten(flat)
-
-
 def head_logits(rules: MeshRules | None, logits: jax.Array) -> jax.Array:
     """Logits [rows, ..., V] constrained to `head_rules` (unchanged without a mesh)."""
     if rules is None:
@@ -276,13 +268,29 @@ def head_logits(rules: MeshRules | None, logits: jax.Array) -> jax.Array:
     return jax.lax.with_sharding_constraint(logits, head_rules(rules).named(axes, logits.shape))
 
 
-def vocab_shards(rules: MeshRules | None, rows: int, vocab: int) -> int:
-    """How many parts `head_logits` splits the vocab of [rows, V] logits into (1 without a
-    mesh): the sampler takes its top-k per part and exchanges [rows, k]."""
-    if rules is None:
-        return 1
-    part = head_rules(rules).spec(("batch", "vocab"), (rows, vocab))[1]
-    return math.prod(rules.mesh.shape[a] for a in (part or ()))
+def vocab_top_k(rules: MeshRules | None, rows: int, vocab: int):
+    """`lax.top_k` for logits [rows, V] laid out by `head_logits`. Where the mesh splits V,
+    each device takes the top k of its part (`shard_map`: XLA's partitioner would gather the
+    logits whole for a top_k), then the top k of those [rows, parts * k] candidates follows:
+    the same values and indices as one top_k over V (ties go to the lower index), with only
+    the candidates crossing between devices."""
+    spec = None if rules is None else head_rules(rules).spec(("batch", "vocab"), (rows, vocab))
+    split = () if spec is None or spec[1] is None else spec[1]
+    split = (split,) if isinstance(split, str) else tuple(split)
+    if not split:
+        return jax.lax.top_k
+    width = vocab // math.prod(rules.mesh.shape[a] for a in split)
+
+    def part_top_k(x, k):
+        values, ids = jax.lax.top_k(x, min(k, width))
+        return values, ids + jax.lax.axis_index(split) * width
+
+    def top_k(x, k):
+        values, ids = jax.shard_map(functools.partial(part_top_k, k=k), mesh=rules.mesh,
+                                    in_specs=spec, out_specs=(spec, spec))(x)
+        values, best = jax.lax.top_k(values, k)
+        return values, jnp.take_along_axis(ids, best, axis=-1)
+    return top_k
 
 
 def constrain(tree, shardings):

@@ -190,6 +190,14 @@ def lm_logits(params: Params, h: jax.Array, spec: ModelSpec) -> jax.Array:
     return jnp.einsum("...e,ev->...v", h, w, preferred_element_type=jnp.float32)
 
 
+def logits_at(logits: jax.Array, ids: jax.Array) -> jax.Array:
+    """logits[..., ids] of logits [..., V] and ids [...], as a sum over V of the one entry
+    that matches: exactly that entry, and where a mesh splits the vocab each device sums its
+    own part and only [...] crosses between them (a gather would collect the logits whole)."""
+    hit = jnp.arange(logits.shape[-1]) == ids[..., None]
+    return jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)
+
+
 def forward(params: Params, tokens: jax.Array, positions: jax.Array, spec: ModelSpec, *,
             attn_mask: jax.Array | None = None, cache: KVCache | None = None,
             lora: Lora | None = None, rng: jax.Array | None = None, remat: bool = False):

@@ -24,22 +24,14 @@ import jax.numpy as jnp
 
 from jaxrl.lora.lora import Lora
 from jaxrl.model.families import ModelSpec
-from jaxrl.model.transformer import Params, hidden_states, lm_logits
-from jaxrl.sharding import MeshRules, head_logits, head_weights
-
-
-def picked(logits: jax.Array, ids: jax.Array) -> jax.Array:
-    """logits[..., ids] of logits [..., V] and ids [...], as a sum over V of the one entry
-    that matches: exactly the entry, and on a vocab split across devices each sums its own
-    part and only [...] crosses between them, where a gather would collect the logits whole."""
-    hit = jnp.arange(logits.shape[-1]) == ids[..., None]
-    return jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)
+from jaxrl.model.transformer import Params, hidden_states, lm_logits, logits_at
+from jaxrl.sharding import MeshRules, head_logits
 
 
 def _chunk_stats(logits: jax.Array, targets: jax.Array, with_entropy: bool):
     """log p(target) [B, C] and (optionally) the entropy [B, C] of logits [B, C, V]."""
     logz = jax.nn.logsumexp(logits, axis=-1)  # [B, C]
-    logp = picked(logits, targets) - logz
+    logp = logits_at(logits, targets) - logz
     if not with_entropy:
         return logp, None
     log_probs = logits - logz[..., None]  # [B, C, V]
@@ -93,9 +85,9 @@ def token_logprobs(params: Params, spec: ModelSpec, tokens: jax.Array, positions
     (the GRPO reference policy); rng is the LoRA dropout key. remat rematerializes both the
     transformer layers and the head chunks in the backward pass. See the module docstring for
     the alignment and `chunked_logprobs` for chunk and temperature. shardings: the mesh the
-    arrays lie on; the layers gather their weights over its FSDP axes, and so does the head,
-    once for all chunks (`jaxrl.sharding.head_weights`), keeping its vocab split over the
-    tensor axis: the log-softmax then reduces [B, C] maxima and sums across that split.
+    arrays lie on; the layers gather their weights over its FSDP axes, and the head's logits
+    keep the vocab split its table has (`jaxrl.sharding.head_rules`): the log-softmax and the
+    target's logit reduce [B, C] across that split.
     """
     t = tokens.shape[1]
     if not 1 <= start < t:
@@ -104,8 +96,7 @@ def token_logprobs(params: Params, spec: ModelSpec, tokens: jax.Array, positions
     _check_chunking(chunk, temperature)  # before the forward pass, not after it
     h, _ = hidden_states(params, tokens, positions, spec, attn_mask=attn_mask, lora=lora,
                          rng=rng, remat=remat, shardings=shardings)
-    head = head_weights(shardings, params, spec)
     return chunked_logprobs(h[:, start - 1:-1], tokens[:, start:],
-                            lambda x: head_logits(shardings, lm_logits(head, x, spec)),
+                            lambda x: head_logits(shardings, lm_logits(params, x, spec)),
                             chunk=chunk,
                             temperature=temperature, with_entropy=with_entropy, remat=remat)

@@ -61,8 +61,8 @@ from jaxrl.model.transformer import Params, hidden_states, lm_logits
 from jaxrl.sampling.buckets import bucket
 from jaxrl.sampling.sampling_fns import (MAX_TOP_LOGPROBS, Decoding, History, RowSettings,
                                          next_token)
-from jaxrl.sharding import (MeshRules, cache_shardings, constrain, lora_shardings,
-                            param_shardings, row_shardings)
+from jaxrl.sharding import (MeshRules, cache_shardings, constrain, head_logits, lora_shardings,
+                            param_shardings, row_shardings, vocab_top_k)
 
 
 @struct.dataclass
@@ -167,12 +167,14 @@ def admit(state: Slots, params: Params, lora: Lora | None, prompts: jax.Array,
     u, p = prompts.shape
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (u, p))
     pre = init_cache(spec, u, p, _cache_dtype(params, shardings))
-    h, pre = hidden_states(params, prompts, positions, spec, cache=pre, lora=lora)
+    h, pre = hidden_states(params, prompts, positions, spec, cache=pre, lora=lora,
+                           shardings=shardings)
     last = jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [U, E]
-    logits = lm_logits(params, last, spec)[src]  # [M, V]
+    logits = head_logits(shardings, lm_logits(params, last, spec)[src])  # [M, V]
     seen = jax.tree_util.tree_map(lambda a: a[src],
                                   History.of_prompts(prompts, lengths, spec.vocab_size))
-    picked = next_token(_fold(keys, 0), logits, settings, seen)
+    picked = next_token(_fold(keys, 0), logits, settings, seen,
+                        vocab_top_k(shardings, *logits.shape))
     token = picked.token
     done = jnp.isin(token, jnp.asarray(eos_ids, jnp.int32)) | (budget <= 1)
     put = lambda a, x: a.at[dst].set(x, mode="drop")
@@ -198,13 +200,15 @@ def generate(state: Slots, params: Params, lora: Lora | None, *, spec: ModelSpec
     eos = jnp.asarray(eos_ids, jnp.int32)
     ones = jnp.ones((s, c), bool)
 
+    top_k = vocab_top_k(shardings, s, spec.vocab_size)
+
     def step(carry):
         i, st, out = carry
         index = st.cache.index
         h, cache = hidden_states(params, st.last[:, None], index[:, None], spec,
-                                 attn_mask=ones, cache=st.cache, lora=lora)
-        picked = next_token(_fold(st.keys, st.count), lm_logits(params, h[:, -1], spec),
-                            st.settings, st.history)
+                                 attn_mask=ones, cache=st.cache, lora=lora, shardings=shardings)
+        logits = head_logits(shardings, lm_logits(params, h[:, -1], spec))  # [S, V]
+        picked = next_token(_fold(st.keys, st.count), logits, st.settings, st.history, top_k)
         token, live = picked.token, st.live
         done = jnp.isin(token, eos) | (st.count + 1 >= st.budget)
         column = lambda a, x: a.at[:, i].set(x)
