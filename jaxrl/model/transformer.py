@@ -45,15 +45,18 @@ def embed(table: jax.Array, tokens: jax.Array) -> jax.Array:
 
 
 def linear(x: jax.Array, p: Params) -> jax.Array:
-    """x [B, T, in] @ kernel [in, out] (+ bias), accumulated in float32; the kernel may be a
-    quantized QTensor, dequantized here with the matmul (`qmatmul`), so inside the layer scan,
-    one layer at a time."""
+    """x [B, T, in] @ kernel [in, out] (+ bias), accumulated in float32 and rounded once to
+    x's dtype; the kernel may be a quantized QTensor, dequantized here with the matmul
+    (`qmatmul`), so inside the layer scan, one layer at a time. Without a bias the matmul
+    itself yields x's dtype, so where a mesh splits `in` (o_proj and down_proj over the tensor
+    axis, and in the backward pass the column-parallel layers' input gradients) the partial
+    sums are reduced across devices in the model's dtype, not in float32."""
     kernel = p["kernel"]
+    dtype = jnp.float32 if "bias" in p else x.dtype  # a bias is added before the rounding
     if isinstance(kernel, QTensor):  # one token per row (decoding): bound by reading the kernel
-        y = qmatmul(x, kernel, memory_bound=x.shape[-2] == 1)
+        y = qmatmul(x, kernel, memory_bound=x.shape[-2] == 1, dtype=dtype)
     else:
-        y = jnp.einsum("...i,io->...o", x, kernel.astype(x.dtype),
-                       preferred_element_type=jnp.float32)
+        y = jnp.einsum("...i,io->...o", x, kernel.astype(x.dtype), preferred_element_type=dtype)
     if "bias" in p:
         y = y + p["bias"]
     return y.astype(x.dtype)
