@@ -16,6 +16,16 @@ NF4 kernels (QTensor) shard like their dense kernel: packed codes [L, I/2, O] an
 [L, I/Bk, O] keep the kernel's (layers, in, out) axes; the double-quantization groups and
 offsets, a few floats per layer, are replicated. LoRA A [L, in, r] and B [L, r, out] take the
 axes of the kernel they adapt; the optimizer's moments take those of the LoRA leaf they track.
+The embedding table and the LM head split by the vocab alone, over fsdp and tensor together
+(`head_rules`), and so do the logits.
+
+Inside the programs (what the model asks for, given the rules): a call with many tokens per row
+(prefill, training) gathers each layer's weights over fsdp just before the layer runs
+(`layer_weights`: NF4 codes and scales as stored) and keeps the hidden states split by rows
+(`split_rows`), so no partial sums of activations cross devices; a decode step (one token per
+row) leaves the weights split and reduces its few rows' partial sums instead, which moves far
+fewer bytes than the weights. Logits keep the head's vocab split (`head_logits`), and the
+sampler's top-k runs per vocab part (`vocab_top_k`).
 """
 from __future__ import annotations
 
@@ -222,8 +232,9 @@ def head_rules(rules: MeshRules) -> MeshRules:
     contracted over an FSDP-split hidden dim would leave partial float32 logits of every row
     to all-reduce whole; split by the vocab, each device computes its part of the logits from
     its part of the table, and the log-softmax and the sampler reduce only [rows] maxima and
-    sums and exchange [rows, k] candidates across the split. A table split so holds as many
-    bytes per device; looking tokens up in it sums [rows, T, E] across the split."""
+    sums and exchange [rows, k] candidates across the split. Each device holds as many bytes
+    of the table as under a hidden-dim split; looking tokens up in it sums [rows, T, E]
+    (the looked-up rows, zero where another part holds them) across the split."""
     embed = rules.mesh_axes("embed")
     vocab = embed + tuple(a for a in rules.mesh_axes("vocab") if a not in embed)
     batch = tuple(a for a in rules.mesh_axes("batch") if a not in vocab)

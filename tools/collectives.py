@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import re
 import sys
 
 from decode_traffic import DEFAULT_CONFIG, DEFAULT_OVERRIDES, compile_step
@@ -33,6 +34,12 @@ def _args():
     return parser.parse_args()
 
 
+def brief(result_type: str) -> str:
+    """'(bf16[8,2560]{1,0}, bf16[8,2560]{1,0}, f32[8,16]{1,0})' -> 'bf16[8,2560] x2 + f32[8,16]'."""
+    arrays = collections.Counter(re.findall(r"\b\w+\[[\d,]*\]", result_type))
+    return " + ".join(a if n == 1 else f"{a} x{n}" for a, n in arrays.items())
+
+
 def report(name: str, compiled, vocab: int, kernels) -> int:
     """Print the table of one program's collectives; the number of forbidden ones."""
     program = Program(compiled.as_text())
@@ -40,7 +47,7 @@ def report(name: str, compiled, vocab: int, kernels) -> int:
     groups = collections.defaultdict(lambda: [0, 0.0])
     for m in moves:
         where = "/".join(p for p in m.op_name.split("/")[-3:] if p) or "-"
-        key = (m.opcode.removesuffix("-start"), m.result_type.split("{")[0][:48], where[-60:])
+        key = (m.opcode.removesuffix("-start"), brief(m.result_type), where[-60:])
         groups[key][0] += m.times
         groups[key][1] += m.bytes
     print(f"\n{name}: {len(moves)} collective instructions, "

@@ -50,7 +50,9 @@ def linear(x: jax.Array, p: Params) -> jax.Array:
     (`qmatmul`), so inside the layer scan, one layer at a time. Without a bias the matmul
     itself yields x's dtype, so where a mesh splits `in` (o_proj and down_proj over the tensor
     axis, and in the backward pass the column-parallel layers' input gradients) the partial
-    sums are reduced across devices in the model's dtype, not in float32."""
+    sums are reduced across devices in the model's dtype, not in float32; only a decode step's
+    NF4 block form, which sums its scale blocks in float32 first, reduces its few rows' partial
+    sums in float32."""
     kernel = p["kernel"]
     dtype = jnp.float32 if "bias" in p else x.dtype  # a bias is added before the rounding
     if isinstance(kernel, QTensor):  # one token per row (decoding): bound by reading the kernel

@@ -61,8 +61,8 @@ from jaxrl.model.transformer import Params, hidden_states, lm_logits
 from jaxrl.sampling.buckets import bucket
 from jaxrl.sampling.sampling_fns import (MAX_TOP_LOGPROBS, Decoding, History, RowSettings,
                                          next_token)
-from jaxrl.sharding import (MeshRules, cache_shardings, constrain, head_logits, lora_shardings,
-                            param_shardings, row_shardings, vocab_top_k)
+from jaxrl.sharding import (MeshRules, cache_shardings, constrain, head_logits, head_rules,
+                            lora_shardings, param_shardings, row_shardings, vocab_top_k)
 
 
 @struct.dataclass
@@ -123,9 +123,13 @@ def init_slots(params: Params, *, spec: ModelSpec, slots: int, capacity: int,
 
 
 def _slot_shardings(shardings: MeshRules, state: Slots) -> Slots:
-    """The cache as `cache_shardings` lays it out, every other field split by slots."""
-    rest = row_shardings(shardings, state.replace(cache=None))
-    return rest.replace(cache=cache_shardings(shardings, state.cache))
+    """The cache as `cache_shardings` lays it out, the history [S, V] as the logits it
+    adjusts (`head_logits`), every other field split by slots."""
+    rest = row_shardings(shardings, state.replace(cache=None, history=None))
+    vocab = head_rules(shardings)
+    history = jax.tree_util.tree_map(lambda a: vocab.named(("batch", "vocab"), a.shape),
+                                     state.history)
+    return rest.replace(cache=cache_shardings(shardings, state.cache), history=history)
 
 
 def abstract_slots(params: Params, spec: ModelSpec, slots: int, capacity: int,
