@@ -24,6 +24,7 @@ QUANT_MODES = ("nf4", "int4", "none")
 LOSS_AGGS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
 REWARD_SCALINGS = ("group", "batch", "none")  # rl/advantages.py says what each one does
 SCHEDULES = ("constant", "cosine")
+REMAT_CHOICES = ("auto", "none", "dots", "full")
 
 _STRS = tuple[str, ...]
 _FLOATS = tuple[float, ...]
@@ -173,6 +174,10 @@ class OptimConfig(_Group):
     warmup_steps: int = _setting(0, ge=0)
     schedule: str = _setting("constant", choices=SCHEDULES)
     micro_batch_size: int = _setting(0, ge=0)  # 0 = whole batch
+    # what the update's backward pass recomputes of the forward (jaxrl/rl/remat.py): none saves
+    # every layer's intermediates, dots the matmul outputs, full only each layer's input; auto
+    # takes the least recomputation whose compiled step fits the device's memory
+    remat: str = _setting("auto", choices=REMAT_CHOICES)
 
 
 @dataclass(frozen=True)

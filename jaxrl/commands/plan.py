@@ -8,13 +8,16 @@ and LoRA targets. Figures come from XLA's `memory_analysis()` of each compiled p
 device: arguments, outputs, temporaries, and peak = arguments + outputs - aliased (donated)
 buffers + temporaries. What stays on the device between programs counts too: while the sampler
 runs, the optimizer state (not one of its arguments) is still resident, so the sampler needs
-its peak plus that. The run fits when the larger need is within the device's memory.
+its peak plus that. The run fits when the larger need is within the device's memory. The step
+is compiled with optim.remat's policy; under auto, with the one a run would take
+(jaxrl/rl/remat.py), which the step's row names.
 
 `--topology v5e:4x4` compiles for a TPU slice without TPUs, through libtpu
 (`pip install -e '.[tpu]'`); without it the local devices are used.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -22,11 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-GIB = 1 << 30
-# HBM per chip a program may use, by the device_kind XLA reports: for v5e and v5p what XLA's TPU
-# compiler names as available when it refuses a program; the chip's nominal HBM for the others.
-DEVICE_MEMORY_GIB = {"TPU v4": 32, "TPU v5 lite": 15.75, "TPU v5": 95.74, "TPU v5p": 95.74,
-                     "TPU v6 lite": 32, "TPU v6e": 32}
+from jaxrl.devices import GIB, device_memory
 
 
 def register(sub) -> None:
@@ -203,9 +202,10 @@ def _capacity(cfg) -> int:
     return bucket(cfg.data.max_prompt_tokens) + bucket(cfg.sampling.max_new_tokens)
 
 
-def lower_step(cfg, spec, rules, run: AbstractRun):
+def lower_step(cfg, spec, rules, run: AbstractRun, remat: str):
     """The GRPO train step lowered for a batch of the run's rows: the prompt bucket plus
-    sampling.max_new_tokens columns, micro-batched as optim.micro_batch_size says."""
+    sampling.max_new_tokens columns, micro-batched as optim.micro_batch_size says, recomputing
+    as the remat policy `remat` (none, dots or full) says."""
     import jax
     import jax.numpy as jnp
 
@@ -222,7 +222,8 @@ def lower_step(cfg, spec, rules, run: AbstractRun):
                   logp_old=sds((b, n), jnp.float32), advantages=sds((b,), jnp.float32),
                   ref_logp=sds((b, n), jnp.float32) if cfg.grpo.beta > 0 else None)
     shardings = step_shardings(rules, run.state, run.params, spec, run.optimizer, b)
-    step = compile_train_step(spec, run.optimizer, step_options(cfg), shardings)
+    opts = dataclasses.replace(step_options(cfg), remat=remat)
+    step = compile_train_step(spec, run.optimizer, opts, shardings)
     return step.lower(run.state, run.params, batch)
 
 
@@ -230,53 +231,57 @@ class OutOfMemory(RuntimeError):
     """The compiler itself found that a program cannot fit the device (TPU compiles refuse)."""
 
 
-def _compile(name: str, lowered):
+@contextlib.contextmanager
+def _refusal(name: str):
+    """Turns the compiler's refusal of a program for lack of device memory into OutOfMemory."""
     import jax
 
     try:
-        return lowered.compile()
+        yield
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
         raise OutOfMemory(f"{name}: {str(e).split(':', 1)[-1].strip()}") from None
 
 
-def _memory(name: str, lowered, resident_other: int = 0) -> ProgramMemory:
-    m = _compile(name, lowered).memory_analysis()
+def _analysis(name: str, compiled, resident_other: int = 0) -> ProgramMemory:
+    m = compiled.memory_analysis()
     return ProgramMemory(name, m.argument_size_in_bytes, m.output_size_in_bytes,
                          m.alias_size_in_bytes, m.temp_size_in_bytes, resident_other)
 
 
-def plan_memory(cfg, spec, rules) -> list[ProgramMemory | OutOfMemory]:
+def _step_memory(cfg, spec, rules, run: AbstractRun, capacity: int | None) -> ProgramMemory:
+    """The GRPO step's figures, named with its remat policy: optim.remat, or for auto the one
+    `jaxrl.rl.remat.choose` takes for `capacity` bytes per device."""
+    from jaxrl.rl.remat import choose
+
+    lower = lambda policy: lower_step(cfg, spec, rules, run, policy)  # noqa: E731
+    with _refusal("grpo step"):
+        if cfg.optim.remat == "auto":
+            policy, compiled = choose(lower, capacity)
+        else:
+            policy, compiled = cfg.optim.remat, lower(cfg.optim.remat).compile()
+    return _analysis(f"grpo step (remat {policy})", compiled)
+
+
+def plan_memory(cfg, spec, rules, capacity: int | None = None) -> list[ProgramMemory | OutOfMemory]:
     """Compiles the sampler and the GRPO step of `cfg` on `rules`' mesh from abstract shapes;
-    a program the compiler refuses for lack of device memory is an `OutOfMemory` entry."""
+    a program the compiler refuses for lack of device memory is an `OutOfMemory` entry.
+    capacity: bytes per device, for optim.remat auto."""
     run = abstract_run(cfg, spec, rules)
     opt_bytes = per_device_bytes(run.state.opt_state, run.state_shardings.opt_state)
     rows = []
-    for name, lower, resident in (("sampler", lower_sampler, opt_bytes),
-                                  ("prefill", lower_prefill, opt_bytes),
-                                  ("grpo step", lower_step, 0)):
+    for name, lower in (("sampler", lower_sampler), ("prefill", lower_prefill)):
         try:
-            rows.append(_memory(name, lower(cfg, spec, rules, run), resident))
+            with _refusal(name):
+                rows.append(_analysis(name, lower(cfg, spec, rules, run).compile(), opt_bytes))
         except OutOfMemory as e:  # the other program's figures still tell where memory goes
             rows.append(e)
-    return rows
-
-
-def device_memory(devices, override_gib: float | None) -> int | None:
-    """Bytes per device: the override, what the device reports, or the chip's known HBM."""
-    if override_gib is not None:
-        return int(override_gib * GIB)
-    import jax
-
     try:
-        stats = devices[0].memory_stats()
-    except jax.errors.JaxRuntimeError:  # compile-only topology devices have no live statistics
-        stats = None
-    if stats and "bytes_limit" in stats:
-        return int(stats["bytes_limit"])
-    gib = DEVICE_MEMORY_GIB.get(devices[0].device_kind)
-    return None if gib is None else int(gib * GIB)
+        rows.append(_step_memory(cfg, spec, rules, run, capacity))
+    except OutOfMemory as e:
+        rows.append(e)
+    return rows
 
 
 def _gib(n: int) -> str:
@@ -321,7 +326,8 @@ def _plan(args) -> int:
           f"{dict(rules.mesh.shape)}; {cfg.data.prompts_per_step} x "
           f"{cfg.grpo.num_generations} rows, {cfg.data.max_prompt_tokens} prompt + "
           f"{cfg.sampling.max_new_tokens} new tokens; {cfg.quant.mode} + LoRA r{cfg.lora.rank}")
-    text, fits = report(plan_memory(cfg, spec, rules), device_memory(devices, args.device_memory))
+    capacity = device_memory(devices, args.device_memory)
+    text, fits = report(plan_memory(cfg, spec, rules, capacity), capacity)
     print(text)
     if not fits:
         print("jaxrl plan: the run does not fit the device memory; shard further (mesh.fsdp), "

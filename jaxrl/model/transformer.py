@@ -23,6 +23,13 @@ from jaxrl.quant.nf4 import QTensor, as_dense
 
 Params = dict[str, Any]
 
+# What each layer of the scan keeps for the backward pass (`remat`), least recomputation first:
+# none saves every intermediate; dots saves the outputs of matmuls without batch dims (the
+# linears and LoRA products) and recomputes attention and elementwise ops; full saves only the
+# layer's input and recomputes the whole layer. Dequantized NF4 kernels are saved under none.
+REMAT_POLICIES = {"none": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+                  "full": jax.checkpoint_policies.nothing_saveable}
+
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     """RMSNorm computed in float32, scaled in the input dtype (as Hugging Face does)."""
@@ -120,13 +127,13 @@ def _cached_attention(mask: jax.Array, cache: KVCache, layer: jax.Array):
 
 def hidden_states(params: Params, tokens: jax.Array, positions: jax.Array, spec: ModelSpec, *,
                   attn_mask: jax.Array | None = None, cache: KVCache | None = None,
-                  lora: Lora | None = None, rng: jax.Array | None = None, remat: bool = False):
+                  lora: Lora | None = None, rng: jax.Array | None = None, remat: str = "none"):
     """Final-normed hidden states [B, T, E] and the updated cache (None without one).
 
     lora: adapters added to their target linears (None = the frozen base alone, which is also
     the GRPO reference policy). rng: key for LoRA dropout (None = no dropout, as in eval).
-    remat: recompute each layer in the backward pass instead of saving its intermediates; this
-    also keeps dequantized NF4 weights from being saved for the backward, one per layer.
+    remat: what each layer saves for the backward pass, a key of REMAT_POLICIES; dots and full
+    also keep dequantized NF4 weights from being saved for the backward, one per layer.
     tokens, positions: [B, T] int32. attn_mask marks valid (non-pad) key slots: [B, T] without a
     cache, [B, S] over the cache slots with one (default: all valid). With a cache, row b's T
     new tokens are written at slots [cache.index[b], cache.index[b] + T) and attend causally to
@@ -152,7 +159,8 @@ def hidden_states(params: Params, tokens: jax.Array, positions: jax.Array, spec:
     ll = None if lora is None else lora.weights["layers"]
     use_dropout = lora is not None and lora.dropout > 0 and rng is not None
     keys = jax.random.split(rng, spec.num_layers) if use_dropout else None
-    body = jax.checkpoint(layer) if remat else layer
+    policy = REMAT_POLICIES[remat]
+    body = layer if policy is None else jax.checkpoint(layer, policy=policy)
     layers = jnp.arange(spec.num_layers)
     (h, kv), _ = jax.lax.scan(body, (h, kv), (params["layers"], ll, layers, keys))
     h = rms_norm(h, params["norm"]["scale"], spec.rms_norm_eps)
@@ -172,7 +180,7 @@ def lm_logits(params: Params, h: jax.Array, spec: ModelSpec) -> jax.Array:
 
 def forward(params: Params, tokens: jax.Array, positions: jax.Array, spec: ModelSpec, *,
             attn_mask: jax.Array | None = None, cache: KVCache | None = None,
-            lora: Lora | None = None, rng: jax.Array | None = None, remat: bool = False):
+            lora: Lora | None = None, rng: jax.Array | None = None, remat: str = "none"):
     """Logits [B, T, V] (float32) and the updated cache. See `hidden_states` for the inputs."""
     h, cache = hidden_states(params, tokens, positions, spec, attn_mask=attn_mask, cache=cache,
                              lora=lora, rng=rng, remat=remat)

@@ -42,7 +42,8 @@ def step_options(cfg: Config) -> StepOptions:
                           f"{rows} rows of a step (data.prompts_per_step * "
                           "grpo.num_generations)")
     return StepOptions(grpo=cfg.grpo, temperature=learner_temperature(cfg),
-                       max_new_tokens=cfg.sampling.max_new_tokens, micro_batches=rows // micro)
+                       max_new_tokens=cfg.sampling.max_new_tokens, micro_batches=rows // micro,
+                       remat=cfg.optim.remat)
 
 
 def _load_model(cfg: Config, rules, log: Callable[[str], None]):
@@ -129,7 +130,7 @@ class Session:
     def _reference_fn(self):
         return jax.jit(lambda params, tokens, mask, positions, width: token_logprobs(
             params, self.spec, tokens, positions, mask, None, start=tokens.shape[1] - width,
-            temperature=learner_temperature(self.cfg), remat=False)[0],
+            temperature=learner_temperature(self.cfg), remat="none")[0],
             static_argnums=4)
 
     def reference_logprobs(self, tokens, mask, positions, width: int) -> jax.Array:

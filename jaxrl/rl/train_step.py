@@ -54,6 +54,7 @@ class StepOptions:
     max_new_tokens: int
     micro_batches: int = 1
     logprob_chunk: int = 128
+    remat: str = "full"  # a key of jaxrl.model.transformer.REMAT_POLICIES, or auto
 
 
 def make_optimizer(optim: OptimConfig, total_steps: int):
@@ -87,7 +88,7 @@ def _loss(lora: Lora, params, spec: ModelSpec, mb: Batch, weights: jax.Array,
     logp, entropy = token_logprobs(
         params, spec, mb.tokens, mb.positions, mb.attn_mask, lora,
         start=mb.tokens.shape[1] - width, chunk=opts.logprob_chunk,
-        temperature=opts.temperature, with_entropy=True, remat=True)
+        temperature=opts.temperature, with_entropy=True, remat=opts.remat)
     loss, metrics = grpo_loss(logp, mb.logp_old, mb.advantages, mb.completion_mask, opts.grpo,
                               ref_logp=mb.ref_logp, max_new_tokens=opts.max_new_tokens,
                               weights=weights)
@@ -179,6 +180,11 @@ def jit_step(step, shardings: tuple[Any, Any] | None = None):
 
 def compile_train_step(spec: ModelSpec, optimizer: optax.GradientTransformation,
                        opts: StepOptions, shardings: tuple[Any, Any] | None = None):
-    """The jitted GRPO step (see `jit_step`)."""
+    """The jitted GRPO step (see `jit_step`); with opts.remat auto, a step that picks its
+    policy for each batch shape it meets (`jaxrl.rl.remat.AutoRematStep`)."""
+    if opts.remat == "auto":
+        from jaxrl.rl.remat import AutoRematStep
+
+        return AutoRematStep(spec, optimizer, opts, shardings)
     return jit_step(lambda state, params, batch: train_step(
         state, params, batch, spec=spec, optimizer=optimizer, opts=opts), shardings)

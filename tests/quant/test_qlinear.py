@@ -134,7 +134,8 @@ def test_decode_loop_keeps_one_dequantized_layer_at_a_time():
     assert temp < 1.5 * layer, (temp, layer)
 
 
-def test_train_step_with_remat_keeps_dequantized_layers_out_of_residuals():
+@pytest.mark.parametrize("remat", ["dots", "full"])
+def test_train_step_with_remat_keeps_dequantized_layers_out_of_residuals(remat):
     spec, params, layer = _mid()
     lora = jax.eval_shape(lambda: init_lora(spec, jax.random.PRNGKey(0), rank=16, alpha=32))
     tokens = jax.ShapeDtypeStruct((B, T), jnp.int32)
@@ -144,8 +145,8 @@ def test_train_step_with_remat_keeps_dequantized_layers_out_of_residuals():
         loss = lambda l, p, t: forward(p, t, pos, spec, lora=l, remat=remat)[0].mean()
         return jax.grad(loss)
 
-    with_remat = _temp_bytes(grad_fn(True), lora, params, tokens)
-    without = _temp_bytes(grad_fn(False), lora, params, tokens)
+    with_remat = _temp_bytes(grad_fn(remat), lora, params, tokens)
+    without = _temp_bytes(grad_fn("none"), lora, params, tokens)
     assert with_remat < 2.5 * layer, (with_remat, layer)
     # the measurement can see the failure: without remat every dequantized layer is saved
     assert without > 8 * layer, (without, layer)
