@@ -51,7 +51,8 @@ def _signature(tree) -> tuple:
 class AutoRematStep:
     """The GRPO step under `optim.remat: auto`, called as the jitted step is:
     (state, params, batch) -> (state, metrics), the state donated. Each batch shape it meets is
-    compiled once with the policy `choose` picks; `policies` maps those shapes to it."""
+    compiled once with the policy `choose` picks; `policies` and `compiled` map those shapes
+    to it and to the compiled program."""
 
     def __init__(self, spec, optimizer, opts, shardings=None):
         from jaxrl.rl.train_step import compile_train_step
@@ -61,14 +62,14 @@ class AutoRematStep:
         devices = (jax.local_devices() if shardings is None
                    else list(jax.tree_util.tree_leaves(shardings)[0].device_set))
         self._capacity = device_memory(devices)
-        self._compiled: dict[tuple, Any] = {}
+        self.compiled: dict[tuple, Any] = {}
         self.policies: dict[tuple, str] = {}
 
     def __call__(self, state, params, batch):
         key = _signature(batch)
-        if key not in self._compiled:
+        if key not in self.compiled:
             policy, compiled = choose(lambda p: self._steps[p].lower(state, params, batch),
                                       self._capacity)
-            self._compiled[key], self.policies[key] = compiled, policy
-        return self._compiled[key](state, params, batch)
+            self.compiled[key], self.policies[key] = compiled, policy
+        return self.compiled[key](state, params, batch)
 

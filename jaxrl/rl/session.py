@@ -46,7 +46,7 @@ def step_options(cfg: Config) -> StepOptions:
                        remat=cfg.optim.remat)
 
 
-def _load_model(cfg: Config, rules, log: Callable[[str], None]):
+def load_model(cfg: Config, rules, log: Callable[[str], None]):
     """(model directory, spec, tokenizer, params as the run holds them: on the mesh of `rules`,
     dense where quant.dequantize resolves to once)."""
     model_dir = resolve_model_path(cfg.model.path)
@@ -61,6 +61,14 @@ def _load_model(cfg: Config, rules, log: Callable[[str], None]):
     return model_dir, spec, tokenizer, params
 
 
+def reference_program(spec, temperature: float):
+    """The jitted reference pass: (params, tokens, mask, positions [B, S], width) -> log-probs
+    [B, width] of the last `width` tokens under the frozen base (LoRA off)."""
+    return jax.jit(lambda params, tokens, mask, positions, width: token_logprobs(
+        params, spec, tokens, positions, mask, None, start=tokens.shape[1] - width,
+        temperature=temperature, remat="none")[0], static_argnums=4)
+
+
 def _my_prompts(cfg: Config, rules) -> tuple[slice, tuple[int, int]]:
     """This process's prompts of a step, and their rows [start, stop) among the step's rows."""
     g = cfg.grpo.num_generations
@@ -68,7 +76,7 @@ def _my_prompts(cfg: Config, rules) -> tuple[slice, tuple[int, int]]:
     return prompts, (prompts.start * g, prompts.stop * g)
 
 
-def _trainer(cfg: Config, spec, params, rules, key: jax.Array):
+def make_trainer(cfg: Config, spec, params, rules, key: jax.Array):
     """(fresh train state, lr schedule, compiled train step, the step's shardings or None)."""
     lora = start_lora(cfg, spec, jax.random.fold_in(key, 1 << 20))
     optimizer, schedule = make_optimizer(cfg.optim, cfg.run.steps)
@@ -102,12 +110,12 @@ class Session:
     def __init__(self, cfg: Config, log: Callable[[str], None] = print):
         self.cfg, self.log = cfg, log
         self.rules = distributed.session_rules(cfg.mesh)  # None: one device
-        model_dir, self.spec, self.tokenizer, self.params = _load_model(cfg, self.rules, log)
+        model_dir, self.spec, self.tokenizer, self.params = load_model(cfg, self.rules, log)
         self.eos_ids = eos_token_ids(self.tokenizer, model_dir)
         self.detokenize = detokenizer(self.tokenizer)
         self.prompts, self.row_range = _my_prompts(cfg, self.rules)
         self.key = jax.random.PRNGKey(cfg.run.seed)
-        self.state, self.schedule, self.train_step, shardings = _trainer(
+        self.state, self.schedule, self.train_step, shardings = make_trainer(
             cfg, self.spec, self.params, self.rules, self.key)
         pool = build_pool(cfg.data, keep=prompt_fits(self.tokenizer, cfg.data.max_prompt_tokens))
         self.data = train_iterator(pool, cfg.data)
@@ -128,10 +136,7 @@ class Session:
 
     @functools.cached_property
     def _reference_fn(self):
-        return jax.jit(lambda params, tokens, mask, positions, width: token_logprobs(
-            params, self.spec, tokens, positions, mask, None, start=tokens.shape[1] - width,
-            temperature=learner_temperature(self.cfg), remat="none")[0],
-            static_argnums=4)
+        return reference_program(self.spec, learner_temperature(self.cfg))
 
     def reference_logprobs(self, tokens, mask, positions, width: int) -> jax.Array:
         """Log-probs [B, width] of the completion tokens under the frozen base (LoRA off)."""
