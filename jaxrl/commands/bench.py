@@ -89,11 +89,14 @@ def _batches(args, cfg) -> list[int]:
 
 
 def _check(args, cfg) -> None:
+    """Usage errors before anything is loaded."""
     from jaxrl.commands import UsageError
 
     _positive("--prompt-tokens", args.prompt_tokens)
     for name in ("repeats", "steps", "requests", "mean_new_tokens"):
         _positive(f"--{name.replace('_', '-')}", getattr(args, name, None))
+    if args.mode == "sample":
+        _batches(args, cfg)
     if args.mode == "sample" and cfg.sampling.max_new_tokens < 2:
         raise UsageError("jaxrl bench sample times decode steps after the first token: set "
                          f"sampling.max_new_tokens to at least 2; got "

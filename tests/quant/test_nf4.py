@@ -291,6 +291,7 @@ CONFIGS = [dict(), dict(scale_dtype="bfloat16"), dict(double_quant=True), dict(m
            dict(mode="int4", double_quant=True)]
 
 
+@pytest.mark.accelerator
 @pytest.mark.parametrize("kwargs", CONFIGS)
 @pytest.mark.parametrize("dtype", [None, "bfloat16", "float32"])
 def test_jax_dequantize_equals_numpy_bit_for_bit(kwargs, dtype):
@@ -302,6 +303,7 @@ def test_jax_dequantize_equals_numpy_bit_for_bit(kwargs, dtype):
     np.testing.assert_array_equal(bits(ours), bits(host))
 
 
+@pytest.mark.accelerator
 @pytest.mark.parametrize("kwargs", CONFIGS)
 def test_dequantize_under_jit_and_scan(kwargs):
     w = rng_weights((3, 256, 272), seed=11)  # 1088 scales: a partial last group of 256

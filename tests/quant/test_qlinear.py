@@ -44,6 +44,7 @@ def test_loading_quantizes_linears_and_honours_skip(tiny_dir):
     assert quantized_paths(spec, QuantConfig(mode="none")) == set()
 
 
+@pytest.mark.accelerator
 def test_forward_on_nf4_equals_forward_on_its_dequantized_weights(tiny_dir):
     spec, qparams = load_params(tiny_dir, quant=NF4)
     dense = jax.tree_util.tree_map(lambda x: dequantize(x) if isinstance(x, QTensor) else x,
@@ -109,6 +110,7 @@ def _temp_bytes(fn, *args):
     return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.accelerator
 def test_forward_keeps_one_dequantized_layer_at_a_time():
     spec, params, layer = _mid()
     tokens = jax.ShapeDtypeStruct((B, T), jnp.int32)
@@ -117,6 +119,7 @@ def test_forward_keeps_one_dequantized_layer_at_a_time():
     assert temp < 1.5 * layer, (temp, layer)
 
 
+@pytest.mark.accelerator
 def test_decode_loop_keeps_one_dequantized_layer_at_a_time():
     """XLA hoists loop-invariant work out of while loops; the per-layer dequantization inside
     the layer scan depends on the layer index, so it cannot be hoisted out of decoding."""
@@ -134,6 +137,7 @@ def test_decode_loop_keeps_one_dequantized_layer_at_a_time():
     assert temp < 1.5 * layer, (temp, layer)
 
 
+@pytest.mark.accelerator
 @pytest.mark.parametrize("remat", ["dots", "full"])
 def test_train_step_with_remat_keeps_dequantized_layers_out_of_residuals(remat):
     spec, params, layer = _mid()
