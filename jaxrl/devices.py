@@ -89,7 +89,7 @@ def device_peaks(device) -> Peaks | None:
 
 def device_memory(devices, override_gib: float | None = None) -> int | None:
     """Bytes per device: the override, what the device reports, the chip's known HBM, or for a
-    CPU the machine's physical memory (None when none of these is known)."""
+    CPU the memory available now (`host_memory`); None when none of these is known."""
     if override_gib is not None:
         return int(override_gib * GIB)
     import jax
@@ -101,9 +101,22 @@ def device_memory(devices, override_gib: float | None = None) -> int | None:
     if stats and "bytes_limit" in stats:
         return int(stats["bytes_limit"])
     if devices[0].platform == "cpu":
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return host_memory()
     gib = DEVICE_MEMORY_GIB.get(devices[0].device_kind)
     return None if gib is None else int(gib * GIB)
+
+
+def host_memory() -> int:
+    """Bytes of host memory available to a new allocation: Linux's MemAvailable (free memory
+    plus what the kernel can reclaim), else the machine's physical memory."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def compiled_peak(compiled) -> int:

@@ -4,7 +4,8 @@ programs `jaxrl train` runs on the hardware at hand and set the figures beside i
 The model is model.path: a local checkpoint (or `default`) is loaded as a run loads it; a
 directory holding only a config.json, or an embedded preset (qwen3-4b, qwen3-8b, qwen3-32b, also
 as a hub id such as Qwen/Qwen3-4B), gets random weights in the run's layout (NF4 codes and
-scales, LoRA), so nothing is downloaded. Prompts are random token ids and EOS is ignored, so rows decode their full length.
+scales, LoRA), so nothing is downloaded. Prompts are random token ids and EOS is ignored, so
+rows decode their full length.
 
   sample  prefill and decode of each --batches size (default: one step's rows) with
           data.max_prompt_tokens prompts (or --prompt-tokens) and sampling.max_new_tokens new

@@ -37,8 +37,8 @@ def register(sub) -> None:
                       help="TPU slice to compile for without TPUs, e.g. v5e:2x2, v5e:4x4, "
                       "v5p:4x4x4 (needs libtpu); default: the local devices")
     plan.add_argument("--device-memory", metavar="GIB", type=float,
-                      help="memory per device to fit in (default: what the device reports, or "
-                      "the chip's HBM for a topology)")
+                      help="memory per device to fit in (default: what the device reports, "
+                      "the chip's HBM for a topology, or on a CPU the memory available now)")
     plan.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides")
     plan.set_defaults(func=_plan)
 
@@ -264,7 +264,8 @@ def _step_memory(cfg, spec, rules, run: AbstractRun, capacity: int | None) -> Pr
     return _analysis(f"grpo step (remat {policy})", compiled)
 
 
-def plan_memory(cfg, spec, rules, capacity: int | None = None) -> list[ProgramMemory | OutOfMemory]:
+def plan_memory(cfg, spec, rules,
+                capacity: int | None = None) -> list[ProgramMemory | OutOfMemory]:
     """Compiles the sampler and the GRPO step of `cfg` on `rules`' mesh from abstract shapes;
     a program the compiler refuses for lack of device memory is an `OutOfMemory` entry.
     capacity: bytes per device, for optim.remat auto."""

@@ -9,7 +9,8 @@ Less recomputation costs memory: none holds every layer's activations at once.
 `auto` compiles the step with none and takes it when the compiled program fits the device: its
 peak (arguments + outputs - donated buffers + temporaries, from XLA's memory analysis, the
 figures `jaxrl plan` reports) within the device's memory (`jaxrl.devices.device_memory`: the
-reported limit, the chip's HBM, or a CPU's physical memory); otherwise dots, then full. When
+reported limit, the chip's HBM, or on a CPU the memory available when the step is compiled);
+otherwise dots, then full. When
 none fits, full runs (its figures are the smallest). A program the compiler refuses for lack of
 memory counts as not fitting.
 """
@@ -22,6 +23,7 @@ from typing import Any
 import jax
 
 from jaxrl.devices import compiled_peak, device_memory
+from jaxrl.rl.train_step import compile_train_step
 
 POLICIES = ("none", "dots", "full")
 
@@ -55,8 +57,6 @@ class AutoRematStep:
     to it and to the compiled program."""
 
     def __init__(self, spec, optimizer, opts, shardings=None):
-        from jaxrl.rl.train_step import compile_train_step
-
         self._steps = {p: compile_train_step(spec, optimizer, dataclasses.replace(opts, remat=p),
                                              shardings) for p in POLICIES}
         devices = (jax.local_devices() if shardings is None

@@ -21,8 +21,9 @@ class _Program:
     """A stand-in for a lowered and compiled program with the given memory figures (bytes)."""
 
     def __init__(self, argument, output, alias, temp, refuse=False):
-        self.figures = SimpleNamespace(argument_size_in_bytes=argument, output_size_in_bytes=output,
-                                       alias_size_in_bytes=alias, temp_size_in_bytes=temp)
+        self.figures = SimpleNamespace(
+            argument_size_in_bytes=argument, output_size_in_bytes=output,
+            alias_size_in_bytes=alias, temp_size_in_bytes=temp)
         self.refuse = refuse
 
     def compile(self):
