@@ -13,6 +13,7 @@ import statistics
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxrl import distributed
@@ -116,10 +117,10 @@ class _StepRunner:
 
         s, cfg = self.subject, self.subject.cfg
         self.key = jax.random.PRNGKey(cfg.run.seed)
-        self.state, _, self.train_step, shardings = make_trainer(cfg, s.spec, s.params, s.rules,
-                                                                 self.key)
-        if shardings is not None:
-            self.state = place(self.state, shardings[0][0])
+        self.state, _, self.train_step, self.shardings = make_trainer(cfg, s.spec, s.params,
+                                                                      s.rules, self.key)
+        if self.shardings is not None:
+            self.state = place(self.state, self.shardings[0][0])
         self.reference = reference_program(s.spec, learner_temperature(cfg))
         g = cfg.grpo.num_generations
         prompts = random_prompts(s.spec, [self.prompt_tokens] * cfg.data.prompts_per_step,
@@ -175,10 +176,36 @@ class _StepRunner:
                                                 "update": compiled_peak(update)},
                 "device_peak_bytes": device_peak_bytes()}
 
+    def compare_remat(self, policies: list[str], rounds: int) -> list[dict]:
+        """The last step's update under each remat policy: compiled apart, then run `rounds`
+        times each from the same state, the policies taking turns."""
+        from jaxrl.rl.session import step_options
+        from jaxrl.rl.train_step import compile_train_step, make_optimizer
 
-def grpo_step(subject: Subject, steps: int, prompt_tokens: int) -> dict:
+        s, cfg = self.subject, self.subject.cfg
+        optimizer, _ = make_optimizer(cfg.optim, cfg.run.steps)
+        compiled, compile_s = {}, {}
+        for policy in policies:
+            opts = dataclasses.replace(step_options(cfg), remat=policy)
+            step = compile_train_step(s.spec, optimizer, opts, self.shardings)
+            start = time.perf_counter()
+            compiled[policy] = step.lower(self.state, s.params, self.batch).compile()
+            compile_s[policy] = time.perf_counter() - start
+        runs = {policy: [] for policy in policies}
+        for _ in range(rounds):
+            for policy in policies:
+                state = jax.block_until_ready(jax.tree_util.tree_map(jnp.copy, self.state))
+                _, seconds = _timed(lambda: compiled[policy](state, s.params, self.batch))
+                runs[policy].append(seconds)
+        return [{"policy": p, "compile_s": compile_s[p], "update_s": statistics.median(runs[p]),
+                 "runs_s": runs[p], "peak_bytes": compiled_peak(compiled[p])} for p in policies]
+
+
+def grpo_step(subject: Subject, steps: int, prompt_tokens: int,
+              remat_policies: list[str] = ()) -> dict:
     """Seconds per GRPO step and per phase: the first (compiling) step apart, then the median of
-    `steps` steps, with each phase's tokens per second."""
+    `steps` steps, with each phase's tokens per second; then, for each of `remat_policies`, the
+    last step's update under that policy, timed `steps` times (`_StepRunner.compare_remat`)."""
     cfg = subject.cfg
     runner = _StepRunner(subject, prompt_tokens)
     first = runner.step(0)
@@ -191,7 +218,8 @@ def grpo_step(subject: Subject, steps: int, prompt_tokens: int) -> dict:
     return {"rows": rows, "prompt_tokens": prompt_tokens, "new_tokens": n, "width": width,
             "first_step_s": first, "median_s": median, "runs_s": runs,
             "tok_s": {k: tokens[k] / median[k] for k in tokens if median[k] > 0},
-            **runner.memory()}
+            **runner.memory(),
+            "remat_compare": runner.compare_remat(list(remat_policies), steps)}
 
 
 def engine_workload(subject: Subject, requests: int, mean_new_tokens: float,

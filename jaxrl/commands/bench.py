@@ -15,7 +15,8 @@ rows decode their full length.
           compute; for the prefill its share of peak compute
   step    seconds per GRPO step (data.prompts_per_step x grpo.num_generations rows) split into
           rollout, reference and update, each with tokens/s; the first (compiling) step apart,
-          then the median of --steps; the update's optim.remat policy
+          then the median of --steps; the update's optim.remat policy; with
+          --compare-remat none,dots,full, the last step's update under each policy in turn
   engine  useful tokens/s of the slot engine (sampling.slots slots, 16 if unset) on --requests
           requests of mixed prompt and completion lengths; --static adds the same workload on
           static batches for comparison
@@ -57,6 +58,9 @@ def register(sub) -> None:
     sample.add_argument("--repeats", type=int, default=3, help="timed calls per batch (3)")
     step = modes.add_parser("step", parents=[common], help="seconds per GRPO step by phase")
     step.add_argument("--steps", type=int, default=3, help="timed steps after the first (3)")
+    step.add_argument("--compare-remat", metavar="P,P,...",
+                      help="then time the last step's update under each of these optim.remat "
+                      "policies (none, dots, full), taking turns, --steps times each")
     engine = modes.add_parser("engine", parents=[common], help="slot engine throughput")
     engine.add_argument("--requests", type=int, default=64, help="requests (64)")
     engine.add_argument("--mean-new-tokens", type=float, metavar="M",
@@ -89,6 +93,18 @@ def _batches(args, cfg) -> list[int]:
     return batches
 
 
+def _policies(args) -> list[str]:
+    from jaxrl.commands import UsageError
+    from jaxrl.rl.remat import POLICIES
+
+    policies = [] if not args.compare_remat else args.compare_remat.split(",")
+    for policy in policies:
+        if policy not in POLICIES:
+            raise UsageError(f"--compare-remat takes policies of {', '.join(POLICIES)}; got "
+                             f"{policy!r}")
+    return policies
+
+
 def _check(args, cfg) -> None:
     """Usage errors before anything is loaded."""
     from jaxrl.commands import UsageError
@@ -98,6 +114,8 @@ def _check(args, cfg) -> None:
         _positive(f"--{name.replace('_', '-')}", getattr(args, name, None))
     if args.mode == "sample":
         _batches(args, cfg)
+    if args.mode == "step":
+        _policies(args)
     if args.mode == "sample" and cfg.sampling.max_new_tokens < 2:
         raise UsageError("jaxrl bench sample times decode steps after the first token: set "
                          f"sampling.max_new_tokens to at least 2; got "
@@ -130,7 +148,7 @@ def _bench(args) -> int:
         rows = [runs.sample_batch(subject, b, prompt_tokens, args.repeats, peaks)
                 for b in _batches(args, cfg)]
     elif args.mode == "step":
-        rows = [runs.grpo_step(subject, args.steps, prompt_tokens)]
+        rows = [runs.grpo_step(subject, args.steps, prompt_tokens, _policies(args))]
     else:
         mean = args.mean_new_tokens or max(1.0, cfg.sampling.max_new_tokens / 4)
         rows = runs.engine(subject, args.requests, mean, prompt_tokens, args.static)
@@ -193,6 +211,11 @@ def step_table(rows: list[dict]) -> str:
         rate = r["tok_s"].get(phase)
         lines.append(f"| {phase} | {r['first_step_s'][phase]:.2f} | {r['median_s'][phase]:.2f} | "
                      f"{'-' if rate is None else f'{rate:.1f}'} |")
+    if r["remat_compare"]:
+        lines += ["", f"| optim.remat | compile (s) | update (s, median of {len(r['runs_s'])}) | "
+                  "update peak GiB |", "| --- | ---: | ---: | ---: |"]
+        lines += [f"| {c['policy']} | {c['compile_s']:.1f} | {c['update_s']:.2f} | "
+                  f"{_gib(c['peak_bytes'])} |" for c in r["remat_compare"]]
     return "\n".join(lines)
 
 

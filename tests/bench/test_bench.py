@@ -113,10 +113,30 @@ def test_bench_engine_with_static_batches(architecture, tmp_path, capsys):
     assert "| engine | 6 | 2 |" in capsys.readouterr().out
 
 
+def test_bench_step_times_phases_and_each_remat_policy(architecture, tmp_path, capsys):
+    out = tmp_path / "bench.jsonl"
+    assert main(["bench", "step", "--steps", "1", "--compare-remat", "none,full",
+                 "--prompt-tokens", "6", "--out", str(out), f"model.path={architecture}",
+                 "data.prompts_per_step=2", "grpo.num_generations=2", "sampling.max_new_tokens=4",
+                 "optim.remat=dots"]) == 0
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row["mode"] == "step" and row["rows"] == 4 and row["remat"] == "dots"
+    median = row["median_s"]
+    assert median["step"] == pytest.approx(median["rollout"] + median["reference"]
+                                           + median["update"])
+    assert row["tok_s"]["rollout"] == pytest.approx(4 * 4 / median["rollout"])
+    assert [c["policy"] for c in row["remat_compare"]] == ["none", "full"]
+    assert all(len(c["runs_s"]) == 1 and c["update_s"] > 0 for c in row["remat_compare"])
+    text = capsys.readouterr().out
+    assert "optim.remat: dots" in text and "| none |" in text and "| full |" in text
+
+
 @pytest.mark.parametrize("args,message", [
     (["sample", "--batches", "1,x"], "--batches '1,x' must be comma-separated row counts"),
     (["sample", "sampling.max_new_tokens=1"], "set sampling.max_new_tokens to at least 2"),
     (["step", "--steps", "0"], "--steps must be at least 1; got 0"),
+    (["step", "--compare-remat", "none,some"],
+     "--compare-remat takes policies of none, dots, full; got 'some'"),
     (["sample", "model.path=/nowhere/Mystery-7B"], "qwen3-4b"),
 ])
 def test_bad_usage_exits_2_naming_it(args, message, capsys):
