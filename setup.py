@@ -4,6 +4,10 @@ from pathlib import Path
 from setuptools import find_packages, setup
 
 HERE = Path(__file__).parent
+# The JAX release the tests pass with (CPU; TPU compiles through libtpu for `jaxrl plan`), and
+# the libtpu that release pairs with. launch/tpu_pod.sh installs exactly these on every worker.
+JAX = "0.10.2"
+LIBTPU = "0.0.42.1"
 
 setup(
     name="jaxrl",
@@ -19,7 +23,8 @@ setup(
                             "model/presets/*.json"]},
     include_package_data=True,
     install_requires=[
-        "jax>=0.4.35",
+        f"jax=={JAX}",
+        f"jaxlib=={JAX}",
         "flax>=0.10",
         "optax>=0.2.4",
         "orbax-checkpoint>=0.10",
@@ -34,6 +39,9 @@ setup(
         "datasets>=3.0",
         "tensorstore>=0.1.70",
         "openai>=1.50",
+        "uvicorn>=0.30",  # jaxrl serve: the HTTP server
+        "starlette>=0.40",  # jaxrl serve: the ASGI application
+        "prometheus_client>=0.20",  # jaxrl serve: /metrics
         "grain>=0.2.10",
         "numpy>=1.26",
         "pyyaml>=6.0",
@@ -50,8 +58,8 @@ setup(
             "bitsandbytes>=0.45",
             "tensorboard>=2.15",
         ],
-        "tpu": ["jax[tpu]"],
-        "gpu": ["jax[cuda12]"],
+        "tpu": [f"jax[tpu]=={JAX}", f"libtpu=={LIBTPU}"],
+        "gpu": [f"jax[cuda12]=={JAX}"],
     },
     entry_points={"console_scripts": ["jaxrl=jaxrl.cli:main"]},
     classifiers=[

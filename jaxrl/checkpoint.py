@@ -12,9 +12,16 @@ resume with another base or other values is refused.
 orbax writes each step into a temporary directory and renames it when complete, so a process
 killed mid-save leaves the previous checkpoints intact and at most an unfinished
 `N.orbax-checkpoint-tmp` directory, which is never read (and is replaced when step N is saved
-again). Arrays are
-copied to the host before `save` returns (the train state is donated to the next step); the
-write itself, and the PEFT export into `adapter/`, run in the background.
+again). Arrays are copied to the host before `save` returns (the train state is donated to
+the next step); the write itself, and the PEFT export into `adapter/`, run in the background.
+
+Several processes (jaxrl/distributed.py) save and restore together, every one calling the same
+methods: orbax's multi-host save writes each process's shards of the train state, and process 0
+the values every process holds alike. The pending rollout is saved whole: each process's rows
+are gathered (each block once), and on resume each process takes back the rows it holds, so a
+checkpoint does not depend on which process held which rows. Each process's data position is
+saved under its process index. run.output_dir must then be storage every process mounts,
+which is checked at start. Process 0 alone sets checkpoints aside and exports the adapter.
 """
 from __future__ import annotations
 
@@ -31,21 +38,23 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from jaxrl import distributed
 from jaxrl.config import Config, ConfigError, from_dict, to_dict
 from jaxrl.hf.export import write_peft_adapter
 from jaxrl.hf.load import shard_files
 from jaxrl.lora.lora import Lora
 from jaxrl.model.families import ModelSpec
 
-FORMAT = 1
+FORMAT = 2
 CHECKPOINTS, ADAPTER = "checkpoints", "adapter"
 # Config keys whose values the saved arrays, the base's function or the data order depend on.
 FIXED = ("quant.mode", "quant.block_size", "quant.double_quant", "quant.scale_dtype",
          "quant.skip", "lora.rank", "lora.alpha", "lora.targets", "data.prompts_per_step",
          "grpo.num_generations")
 SAMPLE_BYTES = 1 << 20
-# What a trainer keeps across steps beyond its train state, saved as given: (host arrays, JSON
-# info), e.g. GRPO's pending rollout (jaxrl/rl/rollout.py).
+# What a trainer keeps across steps beyond its train state: (host arrays [rows, ...], JSON info
+# whose list values have one entry per row), e.g. GRPO's pending rollout (jaxrl/rl/rollout.py);
+# this process's rows of it.
 Pending = tuple[dict[str, np.ndarray], dict[str, Any]]
 
 
@@ -191,18 +200,46 @@ def _into(template, flat: dict[str, np.ndarray], where: Path):
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
+def _data_state(saved: list) -> Any:
+    """This process's data position among the per-process ones a checkpoint holds."""
+    if len(saved) == jax.process_count():
+        return saved[jax.process_index()]
+    if all(state == saved[0] for state in saved):
+        return saved[0]
+    raise ValueError(f"it holds the data positions of {len(saved)} processes, which differ, "
+                     f"and this run has {jax.process_count()}; resume with {len(saved)} "
+                     "processes")
+
+
+def _global_pending(pending: Pending, start: int) -> Pending:
+    """This process's rows of `pending` (from global row `start`) -> every process's rows."""
+    arrays, info = pending
+    return ({k: distributed.gather_rows(v, start) for k, v in arrays.items()},
+            {k: distributed.gather_row_lists(v, start) if isinstance(v, list) else v
+             for k, v in info.items()})
+
+
+def _local_pending(arrays: dict[str, np.ndarray], info: dict[str, Any],
+                   rows: tuple[int, int] | None) -> Pending:
+    """The rows [start, stop) of a pending rollout saved whole (None: all of them)."""
+    mine = slice(*rows) if rows is not None else slice(None)
+    return ({k: v[mine] for k, v in arrays.items()},
+            {k: v[mine] if isinstance(v, list) else v for k, v in info.items()})
+
+
 class Checkpoints:
     """The checkpoints of one run: where a run starts from, and what it saves as it goes."""
 
     def __init__(self, cfg: Config, model_dir: Path, spec: ModelSpec,
-                 log: Callable[[str], None] = print):
-        self.cfg, self.spec, self.log = cfg, spec, log
+                 log: Callable[[str], None] = print, *, rows: tuple[int, int] | None = None):
+        """rows: [start, stop) of the step's rows this process holds (the pending rollout's);
+        None: all of them."""
+        self.cfg, self.spec, self.rows, self.log = cfg, spec, rows, log
         self.every = cfg.checkpoint.every
-        if jax.process_count() > 1 and self.every:
-            # a checkpoint holds one process's rows of the pending rollout and data position
-            log("checkpoint.every is ignored in a multi-process run: no checkpoints are "
-                "written; the adapter is exported at the end")
-            self.every = 0
+        if self.every or cfg.checkpoint.resume != "never":
+            distributed.check_shared_directory(
+                Path(cfg.run.output_dir), "checkpointing (or set checkpoint.every=0 "
+                "checkpoint.resume=never)")
         self.dir = Path(cfg.run.output_dir) / CHECKPOINTS
         self.base = base_identity(model_dir, cfg.model.path)
         self._manager: ocp.CheckpointManager | None = None
@@ -252,25 +289,37 @@ class Checkpoints:
         if source is None:
             return None
         directory, step = source
-        on_corrupt = (lambda s: self._set_aside(s, "corrupt")) if self._own(directory) else None
+        unreadable: list[int] = []
         step, flat, meta = read_newest(directory, [step] if step is not None else
-                                       checkpoint_steps(directory), self.log, on_corrupt)
+                                       checkpoint_steps(directory), self.log, unreadable.append)
         where = directory / str(step)
         _check_meta(meta, self.cfg, self.base, where)
         state = _into(template, flat, where)
         try:
-            data.set_state(meta["data"])
+            data.set_state(_data_state(meta["data"]))
         except ValueError as error:
             raise ConfigError(f"checkpoint {where}: {error}") from None
         if self._own(directory):
-            for later in (s for s in checkpoint_steps(directory) if s > step):
-                self._set_aside(later, "superseded")
+            later = [s for s in checkpoint_steps(directory) if s > step and s not in unreadable]
+            self._set_aside_all([(s, "corrupt") for s in unreadable]
+                                + [(s, "superseded") for s in later])
         pending = None
         if meta["pending"] is not None:
-            pending = ({k.removeprefix("pending/"): v for k, v in flat.items()
-                        if k.startswith("pending/")}, meta["pending"])
+            pending = _local_pending({k.removeprefix("pending/"): v for k, v in flat.items()
+                                      if k.startswith("pending/")}, meta["pending"], self.rows)
         self.log(f"resuming from {where} (step {step})")
         return Restored(step, state, jnp.asarray(flat["key"]), pending)
+
+    def _set_aside_all(self, steps: list[tuple[int, str]]) -> None:
+        """`_set_aside` each (step, why), by process 0 once every process has read."""
+        several = jax.process_count() > 1
+        if several:
+            multihost_utils.sync_global_devices("jaxrl checkpoints read")
+        if jax.process_index() == 0:
+            for step, why in steps:
+                self._set_aside(step, why)
+        if several:
+            multihost_utils.sync_global_devices("jaxrl checkpoints set aside")
 
     def after_step(self, step: int, state, key: jax.Array, data,
                    pending: Pending | None = None) -> None:
@@ -280,37 +329,43 @@ class Checkpoints:
         every = self.every
         if not every or (step % every and step != self.cfg.run.steps):
             return
-        host = jax.device_get(state)  # before the next step reuses the donated buffers
-        arrays = {**{f"train/{k}": v for k, v in flat_leaves(host).items()},
+        # the arrays themselves: orbax copies each process's shards to the host before `save`
+        # returns, before the next step reuses the donated buffers
+        arrays = {**{f"train/{k}": v for k, v in flat_leaves(state).items()},
                   "key": np.asarray(jax.device_get(key))}
         info = None
         if pending is not None:
-            pending_arrays, info = pending
+            pending_arrays, info = _global_pending(pending, (self.rows or (0,))[0])
             arrays.update({f"pending/{k}": v for k, v in pending_arrays.items()})
         meta = {"format": FORMAT, "step": step, "base": self.base, "fixed": _fixed(self.cfg),
-                "data": data.get_state(), "pending": info, "config": to_dict(self.cfg)}
+                "data": distributed.gather_json(data.get_state()), "pending": info,
+                "config": to_dict(self.cfg)}
         if self._manager is None:
             self._manager = _manager(self.dir, self.cfg.checkpoint.keep)
         self._manager.save(step, args=ocp.args.Composite(
             arrays=ocp.args.StandardSave(_nest(arrays)), meta=ocp.args.JsonSave(meta)))
-        self._export(step, host.lora)
+        self._export(step, state.lora)
 
     def _export(self, step: int, lora: Lora) -> None:
+        """Export `lora` (on the devices) as the run's adapter: gathered on every process,
+        written by process 0 in the background."""
+        host = (jax.device_get(lora) if all(a.is_fully_addressable for a in
+                                            jax.tree_util.tree_leaves(lora))
+                else multihost_utils.process_allgather(lora, tiled=True))
+        self._exported = step
+        if jax.process_index():
+            return
         for done in [f for f in self._exports if f.done()]:
             done.result()  # an export that failed fails the run here, not silently
             self._exports.remove(done)
         self._exports.append(self._background.submit(
-            write_peft_adapter, Path(self.cfg.run.output_dir) / ADAPTER, lora, self.spec,
+            write_peft_adapter, Path(self.cfg.run.output_dir) / ADAPTER, host, self.spec,
             adapter_base_name(self.cfg, self.base), self.cfg.lora.dropout))
-        self._exported = step
 
     def finish(self, step: int, state) -> None:
         """Export the final adapter (unless the last checkpoint did) and wait for all writes."""
         if self._exported != step:
-            lora = (jax.device_get(state.lora) if jax.process_count() == 1 else
-                    multihost_utils.process_allgather(state.lora, tiled=True))
-            if jax.process_index() == 0:
-                self._export(step, lora)
+            self._export(step, state.lora)
         self.close()
 
     def close(self) -> None:

@@ -1,7 +1,8 @@
 """Run configuration: typed, frozen dataclasses per concern, loaded from YAML plus dotted overrides.
 
 Every key's type comes from its annotation and every bound or choice is declared once, in the
-field's metadata; one generic validator walks them, so adding a key is a one-line change.
+field's metadata; one generic validator (jaxrl/config_rules.py) walks them, so adding a key is a
+one-line change.
 List-valued keys are stored as tuples (immutable, hashable) and written back as lists. Reward
 workers import this module, so it imports no jax.
 """
@@ -9,13 +10,17 @@ import dataclasses
 import difflib
 import math
 import os
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import yaml
 
+from jaxrl.config_rules import FLOATS, STRS, TYPE_NAMES, ConfigError, Dumper, Loader
+from jaxrl.config_rules import Group as _Group
+from jaxrl.config_rules import check_rules as _check_rules
+from jaxrl.config_rules import scalar as _scalar
+from jaxrl.config_rules import setting as _setting
 from jaxrl.model.families import LINEAR_NAMES
 from jaxrl.quant.formats import SCALE_DTYPES
 
@@ -23,51 +28,12 @@ DTYPES = ("float32", "bfloat16")
 QUANT_MODES = ("nf4", "int4", "none")
 LOSS_AGGS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
 REWARD_SCALINGS = ("group", "batch", "none")  # rl/advantages.py says what each one does
+POLICY_LOSSES = ("grpo", "cispo")  # rl/losses.py gives the math of each
+IMPORTANCE_LEVELS = ("token", "sequence")
 SCHEDULES = ("constant", "cosine")
 REMAT_CHOICES = ("auto", "none", "dots", "full")
 
-_STRS = tuple[str, ...]
-_FLOATS = tuple[float, ...]
-_TYPE_NAMES = {int: "int", float: "float", bool: "bool", str: "str",
-               _STRS: "list[str]", _FLOATS: "list[float]"}
-_BOUNDS = (("gt", ">", float.__gt__), ("ge", ">=", float.__ge__),
-           ("lt", "<", float.__lt__), ("le", "<=", float.__le__))
-
-
-class ConfigError(ValueError):
-    """A user-facing configuration problem; the message names the dotted key."""
-
-    exit_code = 2
-
-
-class _Loader(yaml.SafeLoader):
-    """safe_load, except that `1e-5` is a float (YAML 1.1 demands a dot: `1.0e-5`)."""
-
-
-class _Dumper(yaml.SafeDumper):
-    """safe_dump that quotes strings such as '1e5' which _Loader would read back as floats."""
-
-
-for _cls in (_Loader, _Dumper):
-    _cls.add_implicit_resolver("tag:yaml.org,2002:float",
-                               re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"),
-                               list("-+0123456789"))
-
-
-def _setting(default, **rules):
-    """A field whose rules live in its metadata: choices, gt/ge/lt/le, even, also (extra allowed
-    values), nonempty, secret (dropped from to_dict/dump_yaml and from repr)."""
-    return field(default=default, metadata=rules, repr=not rules.get("secret", False))
-
-
-class _Group:
-    """Base of every group: lists given on input are stored as tuples."""
-
-    def __post_init__(self):
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, list):
-                object.__setattr__(self, f.name, tuple(value))
+_STRS, _FLOATS = STRS, FLOATS
 
 
 @dataclass(frozen=True)
@@ -153,7 +119,7 @@ class SamplingConfig(_Group):
 
 @dataclass(frozen=True)
 class GrpoConfig(_Group):
-    """The GRPO objective: group size, KL weight, clipping, loss aggregation."""
+    """The GRPO objective: group size, KL weight, clipping, loss aggregation and its variants."""
     num_generations: int = _setting(4, ge=2)  # a group of one has no spread to learn from
     beta: float = _setting(0.04, ge=0)
     epsilon_low: float = _setting(0.2, ge=0)
@@ -162,6 +128,15 @@ class GrpoConfig(_Group):
     num_iterations: int = _setting(1, ge=1)
     scale_rewards: str = _setting("group", choices=REWARD_SCALINGS)
     filter_zero_spread: bool = False
+    # the variants below are off by default; README's GRPO section names the paper of each
+    loss: str = _setting("grpo", choices=POLICY_LOSSES)  # cispo: clipped, detached IS weight
+    importance_sampling: str = _setting("token", choices=IMPORTANCE_LEVELS)  # sequence: GSPO
+    kl_ratio_weighted: bool = False  # k3 times the importance ratio (TRL's bias-corrected KL)
+    delta: float = _setting(0.0, ge=0)  # two-sided clip: ratio <= delta when A < 0; 0 = off
+    top_entropy_quantile: float = _setting(1.0, ge=0, le=1)  # policy loss on top-entropy tokens
+    mask_truncated: bool = False  # rows cut at max_new_tokens leave the loss
+    dynamic_sampling: bool = False  # sample more prompts until every group has reward spread
+    max_sampling_rounds: int = _setting(3, ge=1)  # rollouts per step at most, the first included
 
 
 @dataclass(frozen=True)
@@ -175,7 +150,7 @@ class OptimConfig(_Group):
     schedule: str = _setting("constant", choices=SCHEDULES)
     micro_batch_size: int = _setting(0, ge=0)  # 0 = whole batch
     # what the update's backward pass recomputes of the forward (jaxrl/rl/remat.py): none saves
-    # every layer's intermediates, dots the matmul outputs, full only each layer's input; auto
+    # every layer's intermediates, dots each projection's output, full only each layer's input; auto
     # takes the least recomputation whose compiled step fits the device's memory
     remat: str = _setting("auto", choices=REMAT_CHOICES)
 
@@ -211,6 +186,10 @@ class RewardsConfig(_Group):
     timeout_s: float = _setting(10.0, gt=0)  # per sample; a CPU worker past it is replaced
     sandbox_timeout_s: float = _setting(5.0, gt=0)  # wall and CPU seconds of one code run
     cedar_weights: _FLOATS = _setting((1.0, 0.25, 0.25), ge=0)  # correctness, coverage, direction
+    # DAPO's soft overlong punishment: over the last `overlong_buffer` tokens before
+    # sampling.max_new_tokens the penalty grows linearly to -overlong_penalty; 0 = off
+    overlong_buffer: int = _setting(0, ge=0)
+    overlong_penalty: float = _setting(1.0, ge=0)
 
 
 @dataclass(frozen=True)
@@ -289,15 +268,6 @@ def _field_of(group: str, name: str) -> dataclasses.Field:
     return by_name[name]
 
 
-def _scalar(typ: type, value):
-    """value as typ, or None when it has another type (a bool is never taken for a number)."""
-    if isinstance(value, bool) != (typ is bool):
-        return None
-    if typ is float and isinstance(value, int):
-        return float(value)
-    return value if isinstance(value, typ) else None
-
-
 def _entry(key: str, item) -> RewardEntry:
     """A reward entry from a name, a {name, weight} mapping or an entry."""
     if isinstance(item, str):
@@ -326,31 +296,9 @@ def _coerce(key: str, typ, value):
         result = _scalar(typ, value)
         ok = result is not None
     if not ok:
-        raise ConfigError(f"config key {key!r} expects {_TYPE_NAMES[typ]}, "
+        raise ConfigError(f"config key {key!r} expects {TYPE_NAMES[typ]}, "
                           f"got {value!r} ({type(value).__name__})")
     return result
-
-
-def _check_rules(key: str, value, rules: Mapping) -> None:
-    """Apply a field's declared choices and bounds (to each entry when the value is a list)."""
-    if rules.get("nonempty") and value == ():
-        raise ConfigError(f"config key {key!r} must not be empty; got []")
-    items = value if isinstance(value, tuple) else (value,)
-    must = f"config key {key!r} {'entries ' if isinstance(value, tuple) else ''}must be"
-    for item in items:
-        choices = rules.get("choices")
-        if choices is not None and item not in choices:
-            raise ConfigError(f"{must} one of {', '.join(map(str, choices))}; got {item!r}")
-        if item in rules.get("also", ()):
-            continue
-        bounds = [(sym, rules[name], op) for name, sym, op in _BOUNDS if name in rules]
-        ok = all(op(float(item), float(limit)) for _, limit, op in bounds)
-        parts = [f"{sym} {limit}" for sym, limit, _ in bounds]
-        if rules.get("even"):
-            ok, parts = ok and item % 2 == 0, parts + ["even"]
-        if not ok:
-            also = "".join(f" or {extra}" for extra in rules.get("also", ()))
-            raise ConfigError(f"{must} {' and '.join(parts)}{also}; got {item!r}")
 
 
 def _check_rewards(rewards: RewardsConfig) -> None:
@@ -375,6 +323,20 @@ def _check_rewards(rewards: RewardsConfig) -> None:
                           "worker is replaced at the former, a code run stops at the latter")
 
 
+def _check_grpo(grpo: GrpoConfig) -> None:
+    if grpo.delta and grpo.loss != "grpo":
+        raise ConfigError(f"config key 'grpo.delta' ({grpo.delta}) caps the clipped surrogate "
+                          f"of grpo.loss=grpo; grpo.loss={grpo.loss} has none: set grpo.delta=0")
+    if grpo.delta and grpo.delta <= 1 + grpo.epsilon_high:
+        raise ConfigError(f"config key 'grpo.delta' must be 0 (off) or > 1 + grpo.epsilon_high "
+                          f"= {1 + grpo.epsilon_high:g}, so that it caps only ratios the clip "
+                          f"leaves alone; got {grpo.delta}")
+    if grpo.loss == "cispo" and grpo.loss_agg != "token-mean":
+        raise ConfigError("grpo.loss=cispo normalizes by the batch's token count, as MiniMax-M1 "
+                          "does: set config key 'grpo.loss_agg' to token-mean; got "
+                          f"{grpo.loss_agg!r}")
+
+
 def _check_cross(cfg: Config) -> None:
     if not cfg.model.path.strip():
         raise ConfigError("config key 'model.path' is empty: this config needs a base model; "
@@ -385,6 +347,11 @@ def _check_cross(cfg: Config) -> None:
         raise ConfigError("config key 'checkpoint.resume' must be auto, never or the path of a "
                           "run directory or checkpoints/N directory; got ''")
     _check_rewards(cfg.rewards)
+    _check_grpo(cfg.grpo)
+    if cfg.rewards.overlong_buffer > cfg.sampling.max_new_tokens:
+        raise ConfigError(f"config key 'rewards.overlong_buffer' ({cfg.rewards.overlong_buffer}) "
+                          "must be at most 'sampling.max_new_tokens' "
+                          f"({cfg.sampling.max_new_tokens}): the penalty zone ends there")
 
 
 def validate(cfg: Config) -> Config:
@@ -450,14 +417,14 @@ def dump_yaml(cfg: Config, path: str | os.PathLike) -> None:
     """Write cfg (secrets removed) as YAML that load_config reads back to an equal Config."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.dump(to_dict(cfg), Dumper=_Dumper, sort_keys=False), encoding="utf-8")
+    path.write_text(yaml.dump(to_dict(cfg), Dumper=Dumper, sort_keys=False), encoding="utf-8")
 
 
 def _parse_cli(typ, text: str):
     """An override's text as YAML, falling back to the text itself where YAML would give a
     str key a non-string (`run.output_dir=123`) or a list key a scalar (`lora.targets=q,v`)."""
     try:
-        value = yaml.load(text, Loader=_Loader)
+        value = yaml.load(text, Loader=Loader)
     except yaml.YAMLError:
         value = text
     if typ is str and not isinstance(value, str):
@@ -495,7 +462,7 @@ def _load_file(path: Path) -> Config:
     except OSError as e:
         raise ConfigError(f"cannot read config file '{path}': {e.strerror}") from None
     try:
-        data = yaml.load(text, Loader=_Loader)
+        data = yaml.load(text, Loader=Loader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""

@@ -87,11 +87,32 @@ def device_peaks(device) -> Peaks | None:
     return published_peaks(device.device_kind)
 
 
-def device_memory(devices, override_gib: float | None = None) -> int | None:
-    """Bytes per device: the override, what the device reports, the chip's known HBM, or for a
-    CPU the memory available now (`host_memory`); None when none of these is known."""
+XLA_DEFAULT_FRACTION = 0.75  # XLA's GPU allocator takes this share when no variable says
+
+
+def mem_fraction(override: float | None, env=os.environ) -> tuple[float, str]:
+    """(share of a GPU's memory XLA's allocator takes, where that share comes from)."""
+    if override is not None:
+        if not 0 < override <= 1:
+            from jaxrl.commands import UsageError
+
+            raise UsageError(f"--mem-fraction {override} must be in (0, 1]")
+        return override, "--mem-fraction"
+    for name in ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION"):
+        if env.get(name):
+            return float(env[name]), f"{name}={env[name]}"
+    return XLA_DEFAULT_FRACTION, "XLA's default; XLA_CLIENT_MEM_FRACTION is unset"
+
+
+def device_memory(devices, override_gib: float | None = None,
+                  fraction: float | None = None) -> tuple[int | None, str]:
+    """(bytes per device a run may use, how that figure was found): the override (a card's
+    memory) times the allocator's fraction, the allocator's limit the device reports, the
+    chip's known HBM, or for a CPU the memory available now (`host_memory`); None when none of
+    these is known."""
     if override_gib is not None:
-        return int(override_gib * GIB)
+        share, source = mem_fraction(fraction)
+        return int(override_gib * share * GIB), f"{share:.2f} x {override_gib:.2f} GiB, {source}"
     import jax
 
     try:
@@ -99,11 +120,13 @@ def device_memory(devices, override_gib: float | None = None) -> int | None:
     except jax.errors.JaxRuntimeError:  # compile-only topology devices have no live statistics
         stats = None
     if stats and "bytes_limit" in stats:
-        return int(stats["bytes_limit"])
+        return int(stats["bytes_limit"]), "the allocator's limit the device reports"
     if devices[0].platform == "cpu":
-        return host_memory()
+        return host_memory(), "the host memory available now"
     gib = DEVICE_MEMORY_GIB.get(devices[0].device_kind)
-    return None if gib is None else int(gib * GIB)
+    if gib is None:
+        return None, "the device reports none; pass --device-memory"
+    return int(gib * GIB), f"usable HBM of a {devices[0].device_kind} chip"
 
 
 def host_memory() -> int:

@@ -1,4 +1,7 @@
-"""The run directory: resolved config, metrics.jsonl, samples.jsonl, TensorBoard, report.png."""
+"""The run directory: resolved config, metrics.jsonl, samples.jsonl, TensorBoard, report.png.
+
+In a multi-process run process 0 alone writes them; the others' calls do nothing (their rows
+reach process 0 through jaxrl/distributed.py first)."""
 from __future__ import annotations
 
 import json
@@ -7,7 +10,10 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
+import jax
+
 from jaxrl.config import Config, dump_yaml
+from jaxrl.distributed import initialize_from_env
 from jaxrl.report import write_report
 from jaxrl.tensorboard import ScalarWriter
 
@@ -27,13 +33,20 @@ class RunLog:
 
     def __init__(self, cfg: Config, output_dir: str | Path | None = None):
         self.dir = Path(output_dir or cfg.run.output_dir)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        dump_yaml(cfg, self.dir / "config.yaml")
+        initialize_from_env()  # which process this is, before anything else starts JAX
+        self.writes = jax.process_index() == 0
         self.metrics_path = self.dir / "metrics.jsonl"
         self.samples_path = self.dir / "samples.jsonl"
-        self._tb = ScalarWriter(self.dir / "tensorboard") if cfg.logging.tensorboard else None
+        self._tb = None
+        if self.writes:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            dump_yaml(cfg, self.dir / "config.yaml")
+            if cfg.logging.tensorboard:
+                self._tb = ScalarWriter(self.dir / "tensorboard")
 
     def log_step(self, step: int, metrics: dict[str, Any]) -> None:
+        if not self.writes:
+            return
         row = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(row) + "\n")
@@ -42,6 +55,8 @@ class RunLog:
                                   if isinstance(v, (int, float))})
 
     def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        if not self.writes:
+            return
         with open(self.samples_path, "a") as f:
             for row in rows:
                 f.write(json.dumps({"step": step, **row}, default=_jsonable) + "\n")
@@ -51,14 +66,16 @@ class RunLog:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
-        if not self.metrics_path.exists():
+        if not self.writes or not self.metrics_path.exists():
             return None
         return write_report(self.metrics_path, self.dir / "report.png")
 
 
 def trim_logs(run_dir: Path, step: int, log: Callable[[str], None] = print) -> None:
     """Drop rows past `step` from metrics.jsonl and samples.jsonl: the run continues from the
-    checkpoint of `step`, so later rows belong to a run that was lost."""
+    checkpoint of `step`, so later rows belong to a run that was lost. Process 0 alone."""
+    if jax.process_index():
+        return
     for name in ("metrics.jsonl", "samples.jsonl"):
         path = run_dir / name
         if not path.is_file():

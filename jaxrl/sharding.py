@@ -224,3 +224,10 @@ def step_shardings(rules: MeshRules, state, params, spec: ModelSpec,
     st = state_shardings(rules, state, optimizer, spec)
     batch = rules.rows((rows,))  # a prefix: dim 0 of every Batch field
     return (st, param_shardings(rules, params, spec), batch), (st, rules.replicated)
+
+
+def reference_shardings(rules: MeshRules, params, spec: ModelSpec, rows: int):
+    """(in, out) shardings of the reference pass (jaxrl/rl/train_step.py) for `rows` rows:
+    params as above, tokens, positions, mask and the log-probs split by rows."""
+    batch = rules.rows((rows,))
+    return (param_shardings(rules, params, spec), batch, batch, batch), batch

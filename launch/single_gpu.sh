@@ -5,7 +5,12 @@ set -euo pipefail
 config=${1:?usage: launch/single_gpu.sh CONFIG [key=value ...]}
 shift
 export CUDA_VISIBLE_DEVICES=${GPU:-0}
-# XLA reserves 75% of GPU memory up front by default; the planner's figures are what the run
-# needs, so let it take what it needs instead
+# XLA's GPU allocator hands out a fixed share of each card (0.75 when no variable sets it,
+# XLA_CLIENT_MEM_FRACTION, formerly XLA_PYTHON_CLIENT_MEM_FRACTION); take 0.90 and leave the rest
+# to the CUDA context and libraries. `jaxrl plan --device-memory GIB` fits against the same share.
+if [ -z "${XLA_CLIENT_MEM_FRACTION:-}${XLA_PYTHON_CLIENT_MEM_FRACTION:-}" ]; then
+  export XLA_CLIENT_MEM_FRACTION=0.90
+fi
+# allocate as programs need (up to that share) rather than all of it up front
 export XLA_PYTHON_CLIENT_PREALLOCATE=${XLA_PYTHON_CLIENT_PREALLOCATE:-false}
 exec jaxrl train --config "$config" "$@"

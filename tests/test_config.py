@@ -10,6 +10,7 @@ import yaml
 from jaxrl.config import (
     Config,
     ConfigError,
+    GrpoConfig,
     LoraConfig,
     RewardEntry,
     apply_overrides,
@@ -140,9 +141,10 @@ def test_yaml_syntax_error_names_file_and_line(tmp_path):
 
 
 def test_unknown_key_suggests_closest():
-    with _raises("unknown config key 'grpo.betta'; valid keys in 'grpo': beta, epsilon_high, "
-                 "epsilon_low, filter_zero_spread, loss_agg, num_generations, num_iterations, "
-                 "scale_rewards; did you mean 'grpo.beta'?") as err:
+    keys = ", ".join(sorted(f.name for f in dataclasses.fields(GrpoConfig)))
+    assert keys.startswith("beta, delta, ")
+    with _raises(f"unknown config key 'grpo.betta'; valid keys in 'grpo': {keys}; did you mean "
+                 "'grpo.beta'?") as err:
         apply_overrides(Config(), ["grpo.betta=0.1"])
     assert err.value.exit_code == 2
 
@@ -326,6 +328,28 @@ def test_reward_cross_checks():
     with _raises("config key 'rewards.timeout_s' (4.0) must exceed 'rewards.sandbox_timeout_s' "
                  "(5.0)"):
         apply_overrides(Config(), ["rewards.timeout_s=4"])
+
+
+def test_grpo_variant_cross_checks():
+    with _raises("config key 'grpo.delta' must be 0 (off) or > 1 + grpo.epsilon_high = 1.28, "
+                 "so that it caps only ratios the clip leaves alone; got 1.2"):
+        apply_overrides(Config(), ["grpo.epsilon_high=0.28", "grpo.delta=1.2"])
+    with _raises("grpo.loss=cispo normalizes by the batch's token count, as MiniMax-M1 does: set "
+                 "config key 'grpo.loss_agg' to token-mean; got 'seq-mean-token-mean'"):
+        apply_overrides(Config(), ["grpo.loss=cispo"])
+    with _raises("config key 'grpo.delta' (2.0) caps the clipped surrogate of grpo.loss=grpo; "
+                 "grpo.loss=cispo has none: set grpo.delta=0"):
+        apply_overrides(Config(), ["grpo.loss=cispo", "grpo.loss_agg=token-mean", "grpo.delta=2"])
+    with _raises("config key 'rewards.overlong_buffer' (129) must be at most "
+                 "'sampling.max_new_tokens' (128): the penalty zone ends there"):
+        apply_overrides(Config(), ["rewards.overlong_buffer=129"])
+    with _raises("config key 'grpo.top_entropy_quantile' must be >= 0 and <= 1; got 1.5"):
+        apply_overrides(Config(), ["grpo.top_entropy_quantile=1.5"])
+    ok = apply_overrides(Config(), ["grpo.loss=cispo", "grpo.loss_agg=token-mean",
+                                    "grpo.epsilon_low=1", "grpo.epsilon_high=4",
+                                    "grpo.importance_sampling=sequence",
+                                    "rewards.overlong_buffer=128"])
+    assert (ok.grpo.loss, ok.grpo.epsilon_low, ok.rewards.overlong_buffer) == ("cispo", 1.0, 128)
 
 
 def test_secret_dropped_from_to_dict_and_dump(tmp_path):

@@ -112,7 +112,7 @@ class _StepRunner:
     prompt_tokens: int
 
     def __post_init__(self):
-        from jaxrl.rl.session import learner_temperature, make_trainer, reference_program
+        from jaxrl.rl.session import make_trainer, reference_program
         from jaxrl.sharding import place
 
         s, cfg = self.subject, self.subject.cfg
@@ -121,7 +121,7 @@ class _StepRunner:
                                                                       s.rules, self.key)
         if self.shardings is not None:
             self.state = place(self.state, self.shardings[0][0])
-        self.reference = reference_program(s.spec, learner_temperature(cfg))
+        self.reference = reference_program(cfg, s.spec, s.params, s.rules)
         g = cfg.grpo.num_generations
         prompts = random_prompts(s.spec, [self.prompt_tokens] * cfg.data.prompts_per_step,
                                  cfg.run.seed)
@@ -145,7 +145,7 @@ class _StepRunner:
                            np.asarray(adv.keep), to_device)
         if cfg.grpo.beta > 0:
             ref, t_reference = _timed(lambda: self.reference(
-                s.params, batch.tokens, batch.attn_mask, batch.positions, out.tokens.shape[1]))
+                s.params, batch.tokens, batch.positions, batch.attn_mask))
             batch = batch.replace(ref_logp=ref)
         else:
             t_reference = 0.0
@@ -170,8 +170,7 @@ class _StepRunner:
         else:
             policy = s.cfg.optim.remat
             update = self.train_step.lower(self.state, s.params, b).compile()
-        reference = self.reference.lower(s.params, b.tokens, b.attn_mask, b.positions,
-                                         b.completion_mask.shape[1]).compile()
+        reference = self.reference.lower(s.params, b.tokens, b.positions, b.attn_mask).compile()
         return {"remat": policy, "peak_bytes": {"reference": compiled_peak(reference),
                                                 "update": compiled_peak(update)},
                 "device_peak_bytes": device_peak_bytes()}

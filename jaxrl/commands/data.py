@@ -1,4 +1,5 @@
-"""`jaxrl data --task NAME --n N [--seed S] --out FILE.jsonl` and `jaxrl data --list`."""
+"""`jaxrl data --task NAME --n N [--seed S] --out FILE.jsonl` and `jaxrl data --list`;
+`--gold-traces` writes knk / zebra puzzles as SFT chat records with their gold formal traces."""
 from __future__ import annotations
 
 import argparse
@@ -6,7 +7,12 @@ import sys
 
 DESCRIPTION = """Write task records as JSONL, one per line: generated tasks are made from the seed
 (the same seed always gives the same records); loaded tasks are read from DATA_DIR/NAME/ and a
-seeded sample of N is written. --list names every task and whether it is generated or loaded."""
+seeded sample of N is written. --list names every task and whether it is generated or loaded.
+--split writes only the train or validation part of the records, split exactly as `jaxrl train`
+splits data.tasks=[NAME:N] with data.seed=S and data.validation_fraction=F. --gold-traces
+(knk, zebra) writes each puzzle as a chat record for `jaxrl sft` whose assistant reply is its
+gold trace in the formal block format: the clues as (assert ...) premises, the solution's atoms
+that a solver calls novel as (step K ...), then the answer."""
 
 
 def register(sub) -> None:
@@ -19,6 +25,14 @@ def register(sub) -> None:
     parser.add_argument("--difficulty", type=int, choices=(1, 2, 3), default=1,
                         help="difficulty of a generated task (1)")
     parser.add_argument("--out", metavar="FILE.jsonl", help="where to write the records")
+    parser.add_argument("--split", choices=("all", "train", "validation"), default="all",
+                        help="which part of the records to write (all)")
+    parser.add_argument("--validation-fraction", type=float, default=0.2, metavar="F",
+                        help="the validation share that --split uses, as data.validation_"
+                        "fraction (0.2)")
+    parser.add_argument("--gold-traces", action="store_true",
+                        help="write knk / zebra puzzles as SFT chat records whose reply is the "
+                        "gold formal trace")
     parser.add_argument("--data-dir", default="data",
                         help="where loaded tasks are read from: DATA_DIR/NAME/ (data)")
     parser.add_argument("--from-hub", action="store_true",
@@ -62,8 +76,23 @@ def _records(args, parser) -> list[dict]:
                  f"{', '.join(sorted(GENERATORS))}; loaded tasks: {', '.join(sorted(SOURCES))}")
 
 
+def _selected(args, parser) -> list[dict]:
+    """The records of --split."""
+    from jaxrl.data.pipeline import split_records
+
+    if not 0 <= args.validation_fraction < 1:
+        parser.error(f"--validation-fraction must be in [0, 1); got {args.validation_fraction}")
+    records = _records(args, parser)
+    if args.split != "all":
+        train, validation = split_records(records, args.validation_fraction, args.seed,
+                                          args.task)
+        records = train if args.split == "train" else validation
+    return records
+
+
 def _run(args, parser: argparse.ArgumentParser) -> int:
     from jaxrl.data.records import RecordError, write_jsonl
+    from jaxrl.data.traces import TraceError, write_traces
 
     if args.list:
         print(task_table())
@@ -75,7 +104,10 @@ def _run(args, parser: argparse.ArgumentParser) -> int:
     if args.n < 1:
         parser.error(f"--n must be >= 1; got {args.n}")
     try:
-        count = write_jsonl(_records(args, parser), args.out)
+        write = write_traces if args.gold_traces else write_jsonl
+        count = write(_selected(args, parser), args.out)
+    except TraceError as e:
+        parser.error(str(e))
     except RecordError as e:
         print(f"jaxrl data: error: {e}", file=sys.stderr)
         return 1

@@ -1,6 +1,6 @@
 """`jaxrl plan [--config FILE] [--topology NAME] [--device-memory GIB] [key=value ...]`: compile
-the sampler and the GRPO step for a configuration from abstract shapes (no weights are read or
-allocated) and report their per-device memory.
+the sampler, the reference pass and the GRPO step for a configuration from abstract shapes (no
+weights are read or allocated) and report their per-device memory.
 
 The programs are the ones `jaxrl train` runs, lowered with the run's mesh, shardings, batch
 (data.prompts_per_step x grpo.num_generations rows), prompt and completion buckets, NF4 layout
@@ -8,8 +8,15 @@ and LoRA targets. Figures come from XLA's `memory_analysis()` of each compiled p
 device: arguments, outputs, temporaries, and peak = arguments + outputs - aliased (donated)
 buffers + temporaries. What stays on the device between programs counts too: while the sampler
 runs, the optimizer state (not one of its arguments) is still resident, so the sampler needs
-its peak plus that. The run fits when the larger need is within the device's memory. The step
-is compiled with optim.remat's policy; under auto, with the one a run would take
+its peak plus that (and the reference pass, which takes no adapter, its peak plus the whole
+train state). The run fits when the largest need is within the memory the device's
+allocator hands out: on a GPU, XLA's allocator takes a fraction of the card
+(XLA_CLIENT_MEM_FRACTION, formerly XLA_PYTHON_CLIENT_MEM_FRACTION; 0.75 when unset; the
+launch scripts set 0.90), so `--device-memory GIB` names the card's memory and the plan fits
+against --mem-fraction (default: that variable) of it; a TPU chip's figure is what its
+compiler reports as usable. With several hosts the plan also checks that each host can feed
+the rows its chips hold (hosts whose chips share a batch shard sample and score it alike).
+The step is compiled with optim.remat's policy; under auto, with the one a run would take
 (jaxrl/rl/remat.py), which the step's row names.
 
 `--topology v5e:4x4` compiles for a TPU slice without TPUs, through libtpu
@@ -37,8 +44,13 @@ def register(sub) -> None:
                       help="TPU slice to compile for without TPUs, e.g. v5e:2x2, v5e:4x4, "
                       "v5p:4x4x4 (needs libtpu); default: the local devices")
     plan.add_argument("--device-memory", metavar="GIB", type=float,
-                      help="memory per device to fit in (default: what the device reports, "
-                      "the chip's HBM for a topology, or on a CPU the memory available now)")
+                      help="memory of each device, e.g. a GPU's card; the run gets "
+                      "--mem-fraction of it (default: the allocator's limit the device reports, "
+                      "the usable HBM of a topology's chip, or on a CPU the memory available now)")
+    plan.add_argument("--mem-fraction", metavar="F", type=float,
+                      help="share of --device-memory XLA's GPU allocator takes (default: "
+                      "$XLA_CLIENT_MEM_FRACTION or $XLA_PYTHON_CLIENT_MEM_FRACTION, else 0.75, "
+                      "XLA's default)")
     plan.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides")
     plan.set_defaults(func=_plan)
 
@@ -181,15 +193,15 @@ def lower_prefill(cfg, spec, rules, run: AbstractRun):
 
     from jaxrl.sampling.buckets import bucket
     from jaxrl.sampling.engine import abstract_slots, admit
-    from jaxrl.sampling.sampling_fns import RowSettings
+    from jaxrl.sampling.sampling_fns import Decoding, RowSettings
 
     slots = bucket(run.rows, minimum=1)
     state = abstract_slots(run.params, spec, slots, _capacity(cfg), rules)
     u, p = bucket(cfg.data.prompts_per_step, minimum=1), bucket(cfg.data.max_prompt_tokens)
     sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rules.rows(shape))
     m = (slots,)
-    settings = RowSettings(temperature=sds(m, jnp.float32), top_k=sds(m, jnp.int32),
-                           top_p=sds(m, jnp.float32), min_p=sds(m, jnp.float32))
+    settings = jax.tree_util.tree_map(lambda a: sds(a.shape, a.dtype),
+                                      RowSettings.of([Decoding()] * slots))
     return admit.lower(state, run.params, run.lora, sds((u, p), jnp.int32), sds((u,), jnp.int32),
                        sds(m, jnp.int32), sds(m, jnp.int32), sds((slots, 2), jnp.uint32),
                        settings, sds(m, jnp.int32), spec=spec,
@@ -227,6 +239,26 @@ def lower_step(cfg, spec, rules, run: AbstractRun, remat: str):
     return step.lower(run.state, run.params, batch)
 
 
+def lower_reference(cfg, spec, rules, run: AbstractRun):
+    """The GRPO reference pass (the frozen base's log-probs of a step's rows) lowered for the
+    step's batch, micro-batched as the update is."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxrl.rl.session import step_options
+    from jaxrl.rl.train_step import compile_reference
+    from jaxrl.sampling.buckets import bucket
+    from jaxrl.sharding import reference_shardings
+
+    b = run.rows
+    s = bucket(cfg.data.max_prompt_tokens) + cfg.sampling.max_new_tokens
+    shardings = reference_shardings(rules, run.params, spec, b)
+    rows = jax.ShapeDtypeStruct((b, s), jnp.int32, sharding=shardings[1])
+    mask = jax.ShapeDtypeStruct((b, s), jnp.bool_, sharding=shardings[1])
+    return compile_reference(spec, step_options(cfg), shardings).lower(run.params, rows, rows,
+                                                                       mask)
+
+
 class OutOfMemory(RuntimeError):
     """The compiler itself found that a program cannot fit the device (TPU compiles refuse)."""
 
@@ -250,32 +282,40 @@ def _analysis(name: str, compiled, resident_other: int = 0) -> ProgramMemory:
                          m.alias_size_in_bytes, m.temp_size_in_bytes, resident_other)
 
 
-def _step_memory(cfg, spec, rules, run: AbstractRun, capacity: int | None) -> ProgramMemory:
-    """The GRPO step's figures, named with its remat policy: optim.remat, or for auto the one
-    `jaxrl.rl.remat.choose` takes for `capacity` bytes per device."""
+def compile_grpo_step(cfg, spec, rules, run: AbstractRun,
+                      capacity: int | None) -> tuple[str, Any]:
+    """(remat policy, the GRPO step compiled with it): optim.remat, or for auto the one
+    `jaxrl.rl.remat.choose` takes for `capacity` bytes per device, as a run takes it."""
     from jaxrl.rl.remat import choose
 
     lower = lambda policy: lower_step(cfg, spec, rules, run, policy)  # noqa: E731
+    if cfg.optim.remat == "auto":
+        return choose(lower, capacity)
+    return cfg.optim.remat, lower(cfg.optim.remat).compile()
+
+
+def _step_memory(cfg, spec, rules, run: AbstractRun, capacity: int | None) -> ProgramMemory:
+    """The GRPO step's figures, named with its remat policy (`compile_grpo_step`)."""
     with _refusal("grpo step"):
-        if cfg.optim.remat == "auto":
-            policy, compiled = choose(lower, capacity)
-        else:
-            policy, compiled = cfg.optim.remat, lower(cfg.optim.remat).compile()
+        policy, compiled = compile_grpo_step(cfg, spec, rules, run, capacity)
     return _analysis(f"grpo step (remat {policy})", compiled)
 
 
 def plan_memory(cfg, spec, rules,
                 capacity: int | None = None) -> list[ProgramMemory | OutOfMemory]:
-    """Compiles the sampler and the GRPO step of `cfg` on `rules`' mesh from abstract shapes;
-    a program the compiler refuses for lack of device memory is an `OutOfMemory` entry.
-    capacity: bytes per device, for optim.remat auto."""
+    """Compiles the sampler, the reference pass and the GRPO step of `cfg` on `rules`' mesh
+    from abstract shapes; a program the compiler refuses for lack of device memory is an
+    `OutOfMemory` entry. capacity: bytes per device, for optim.remat auto."""
     run = abstract_run(cfg, spec, rules)
     opt_bytes = per_device_bytes(run.state.opt_state, run.state_shardings.opt_state)
+    state_bytes = per_device_bytes(run.state, run.state_shardings)
     rows = []
-    for name, lower in (("sampler", lower_sampler), ("prefill", lower_prefill)):
+    for name, lower, resident in (("sampler", lower_sampler, opt_bytes),
+                                  ("prefill", lower_prefill, opt_bytes),
+                                  ("reference", lower_reference, state_bytes)):
         try:
             with _refusal(name):
-                rows.append(_analysis(name, lower(cfg, spec, rules, run).compile(), opt_bytes))
+                rows.append(_analysis(name, lower(cfg, spec, rules, run).compile(), resident))
         except OutOfMemory as e:  # the other program's figures still tell where memory goes
             rows.append(e)
     try:
@@ -285,13 +325,37 @@ def plan_memory(cfg, spec, rules,
     return rows
 
 
+def host_layout(cfg, rules) -> str:
+    """How the step's rows fall to the hosts of `rules`' devices; ConfigError when a host
+    cannot feed its rows (jaxrl/distributed.py)."""
+    from jaxrl import distributed
+    from jaxrl.config import ConfigError
+
+    held = distributed.batch_shards(rules)
+    if len(held) == 1:
+        return "one host"
+    distributed.check_layout(rules)
+    g, rows = cfg.grpo.num_generations, cfg.data.prompts_per_step * cfg.grpo.num_generations
+    sharers = sum(s == held[0] for s in held.values())
+    blocks = len(held) // sharers
+    if rows % rules.batch_ways or (rows // blocks) % g:
+        raise ConfigError(
+            f"config key 'data.prompts_per_step' = {cfg.data.prompts_per_step} must be a "
+            f"multiple of the {blocks} row blocks of this mesh, and its rows (x "
+            f"grpo.num_generations = {rows}) of the {rules.batch_ways} batch shards")
+    return (f"{len(held)} hosts x {rules.mesh.devices.size // len(held)} chips: {blocks} row "
+            f"blocks of {rows // blocks} rows, each held by {sharers} "
+            f"host{'s, which sample and score it alike' if sharers > 1 else ''}")
+
+
 def _gib(n: int) -> str:
     return f"{n / GIB:.2f}"
 
 
-def report(entries: list[ProgramMemory | OutOfMemory],
-           capacity: int | None) -> tuple[str, bool]:
-    """The table `jaxrl plan` prints, and whether the run fits."""
+def report(entries: list[ProgramMemory | OutOfMemory], capacity: int | None,
+           source: str = "") -> tuple[str, bool]:
+    """The table `jaxrl plan` prints, and whether the run fits; `source` says where the
+    capacity comes from."""
     lines = ["| program | argument | output | aliased | temporary | peak | + resident | need |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     rows = [e for e in entries if isinstance(e, ProgramMemory)]
@@ -304,8 +368,10 @@ def report(entries: list[ProgramMemory | OutOfMemory],
     need = max((r.need for r in rows), default=0)
     fits = not failed and (capacity is None or need <= capacity)
     cap = "unknown" if capacity is None else f"{_gib(capacity)} GiB"
+    cap += f" ({source})" if source else ""
+    spare = "" if capacity is None or not fits else f", {_gib(capacity - need)} GiB to spare"
     lines.append(f"GiB per device; needs {_gib(need)} GiB of {cap}: "
-                 f"{'fits' if fits else 'DOES NOT FIT'}")
+                 f"{'fits' if fits else 'DOES NOT FIT'}{spare}")
     return "\n".join(lines + failed), fits
 
 
@@ -327,8 +393,9 @@ def _plan(args) -> int:
           f"{dict(rules.mesh.shape)}; {cfg.data.prompts_per_step} x "
           f"{cfg.grpo.num_generations} rows, {cfg.data.max_prompt_tokens} prompt + "
           f"{cfg.sampling.max_new_tokens} new tokens; {cfg.quant.mode} + LoRA r{cfg.lora.rank}")
-    capacity = device_memory(devices, args.device_memory)
-    text, fits = report(plan_memory(cfg, spec, rules, capacity), capacity)
+    print(f"hosts: {host_layout(cfg, rules)}")
+    capacity, source = device_memory(devices, args.device_memory, args.mem_fraction)
+    text, fits = report(plan_memory(cfg, spec, rules, capacity), capacity, source)
     print(text)
     if not fits:
         print("jaxrl plan: the run does not fit the device memory; shard further (mesh.fsdp), "

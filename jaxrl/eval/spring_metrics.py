@@ -5,7 +5,10 @@ scored by the `spring` reward, e.g. the lines `jaxrl score --reward spring` writ
     cell_accuracy                mean share of right cells (Zebra records)
     person_accuracy              mean share of right roles (Knights and Knaves records)
     sat_rate                     share with s_sat = 1 (premises SAT with a unique solution)
+    parse_rate                   mean share of a completion's formal forms that parsed (the
+                                 `parsed` component; 0 for a completion with no form)
     steps                        mean parsed steps per completion
+    novel_steps                  mean novel steps per completion
     valid_per_parsed             valid steps (novel, redundant, tautological) / classified steps
     contradictions_per_100_steps 100 x contradictory steps / classified steps
 Classified steps are the parsed steps of completions with s_sat = 1 (only those are judged).
@@ -38,13 +41,15 @@ def summarize(results: Iterable[Mapping]) -> dict[str, float]:
     rows = list(results)
     metrics = {"n": float(len(rows)),
                "puzzle_accuracy": _mean([r["components"]["accuracy"] for r in rows]),
-               "sat_rate": _mean([r["components"]["s_sat"] for r in rows])}
+               "sat_rate": _mean([r["components"]["s_sat"] for r in rows]),
+               "parse_rate": _mean([r["components"]["parsed"] for r in rows])}
     for name in ("cell_accuracy", "person_accuracy"):
         values = [r["info"]["answer"][name] for r in rows if name in r["info"].get("answer", {})]
         if values:
             metrics[name] = _mean(values)
     verdicts = [r["info"].get("verdicts", []) for r in rows]
     metrics["steps"] = _mean([sum(v != "unparsed" for v in vs) for vs in verdicts])
+    metrics["novel_steps"] = _mean([sum(v == "novel" for v in vs) for vs in verdicts])
     judged = [v for r, vs in zip(rows, verdicts) if r["components"]["s_sat"] for v in vs
               if v != "unparsed"]
     metrics["valid_per_parsed"] = _ratio(sum(v in VALID for v in judged), len(judged))

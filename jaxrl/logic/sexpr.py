@@ -189,3 +189,10 @@ GUIDE = "\n".join([
     "Formulas are s-expressions: (and F ...) (or F ...) (not F) (=> F G) (= a b) "
     "(distinct a b ...) (< a b) (<= a b) (> a b) (>= a b) (+ a b) (- a b) (ite F a b), and "
     "(forall ((x Sort)) F) or (exists ((x Sort)) F) over the sorts listed below."])
+
+
+def write(expr: tuple | str | int) -> str:
+    """The text of a read expression, so that parse(write(e)) == e."""
+    if isinstance(expr, tuple):
+        return "(" + " ".join(write(part) for part in expr) + ")"
+    return str(expr)

@@ -6,6 +6,8 @@ query blocks.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -56,16 +58,22 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *,
-           keys_transposed: bool = False, query_block: int = QUERY_BLOCK) -> jax.Array:
+           cache: tuple[jax.Array, jax.Array] | None = None, keys_transposed: bool = False,
+           query_block: int = QUERY_BLOCK) -> jax.Array:
     """Softmax attention. q [B, T, H, D], k and v [B, K, S, D] (k [B, K, D, S] when
     keys_transposed), mask [B, T, S] (True = may attend). Returns [B, T, H*D]. More than
-    query_block queries are attended in blocks of query_block (`_attend_blocks`)."""
+    query_block queries are attended in blocks of query_block (`_attend_blocks`).
+
+    cache: keys and values [B, K, C, D] of earlier tokens, attended where they lie (no copy
+    joins them to k and v): the keys are then the C cache slots followed by k's S, and mask is
+    [B, T, C + S]."""
+    parts = ([] if cache is None else [(*cache, False)]) + [(k, v, keys_transposed)]
     if q.shape[1] <= query_block:
-        return _attend(q, k, v, mask, keys_transposed)
-    return _attend_blocks(q, k, v, mask, keys_transposed, query_block)
+        return _attend(q, parts, mask)
+    return _attend_blocks(q, parts, mask, query_block)
 
 
-def _attend_blocks(q, k, v, mask, keys_transposed: bool, c: int) -> jax.Array:
+def _attend_blocks(q, parts, mask, c: int) -> jax.Array:
     """`_attend` over blocks of C queries in `lax.map`, T padded up to N * C with fully masked
     rows that are dropped again. Each block is rematerialized, so the backward pass keeps only
     the blocks' inputs and recomputes one block's scores at a time instead of saving all N."""
@@ -75,29 +83,49 @@ def _attend_blocks(q, k, v, mask, keys_transposed: bool, c: int) -> jax.Array:
     mask = jnp.pad(mask, ((0, 0), (0, pad), (0, 0)))
     qs = q.reshape(b, -1, c, h, d).swapaxes(0, 1)  # [N, B, C, H, D]
     masks = mask.reshape(b, -1, c, mask.shape[-1]).swapaxes(0, 1)  # [N, B, C, S]
-    block = jax.checkpoint(lambda qc, mc: _attend(qc, k, v, mc, keys_transposed),
-                           prevent_cse=False)
+    block = jax.checkpoint(lambda qc, mc: _attend(qc, parts, mc), prevent_cse=False)
     out = jax.lax.map(lambda xs: block(*xs), (qs, masks))  # [N, B, C, H*D]
     return out.swapaxes(0, 1).reshape(b, -1, h * d)[:, :t]
 
 
-def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
-            keys_transposed: bool) -> jax.Array:
-    """`attend` in one pass over all T queries.
+def _softmax_parts(scores: list[jax.Array]) -> list[jax.Array]:
+    """softmax over the last axis of the scores' concatenation, returned in the same parts,
+    without joining them (one part: `jax.nn.softmax`). With the cache's slots and the call's
+    own keys as two parts, the decode step never copies its [.., C + T] scores into one array."""
+    if len(scores) == 1:
+        return [jax.nn.softmax(scores[0], axis=-1)]
+    top = jax.lax.stop_gradient(
+        functools.reduce(jnp.maximum, [s.max(axis=-1, keepdims=True) for s in scores]))
+    exps = [jnp.exp(s - top) for s in scores]
+    total = sum(e.sum(axis=-1, keepdims=True) for e in exps)
+    return [e / total for e in exps]
+
+
+def _attend(q: jax.Array, parts, mask: jax.Array) -> jax.Array:
+    """`attend` in one pass over all T queries; parts: (k, v, keys_transposed) of consecutive
+    key ranges (the cache's, then the call's own), each read in place.
 
     The G query heads of a kv head and the T tokens form one matrix of M = T*G rows, so each
     (b, k) pair is a single [M, D] x [D, S] product; with T and G as separate dims XLA's CPU
     backend lowers decoding (T = 1, M = G) to a slow batched dot plus transposing copies.
+    Probabilities are rounded to q's dtype before they weight the values, whatever the
+    values' dtype (a float32 CPU cache holds values of q's dtype, so products are exact).
     """
     b, t, h, d = q.shape
-    kv = k.shape[1]
+    kv = parts[0][0].shape[1]
     g = h // kv
     q = q.reshape(b, t, kv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, kv, t * g, d)  # [B,K,M,D]
-    keys = "bkds" if keys_transposed else "bksd"
-    scores = jnp.einsum(f"bkmd,{keys}->bkms", q, k, preferred_element_type=jnp.float32)
-    scores = scores.reshape(b, kv, t, g, -1) * (d ** -0.5)  # [B, K, T, G, S]
-    scores = jnp.where(mask[:, None, :, None], scores, _MASKED)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b, kv, t * g, -1)
-    out = jnp.einsum("bkms,bksd->bkmd", probs, v, preferred_element_type=jnp.float32)
+    scores, start = [], 0
+    for k, v, tr in parts:  # each part's scores [B, K, T, G, S_part], masked
+        width = v.shape[2]
+        part = jnp.einsum(f"bkmd,{'bkds' if tr else 'bksd'}->bkms", q, k,
+                          preferred_element_type=jnp.float32)
+        part = part.reshape(b, kv, t, g, width) * (d ** -0.5)
+        scores.append(jnp.where(mask[:, None, :, None, start:start + width], part, _MASKED))
+        start += width
+    out = 0.0
+    for (_, v, _), probs in zip(parts, _softmax_parts(scores)):
+        probs = probs.astype(q.dtype).reshape(b, kv, t * g, -1)
+        out = out + jnp.einsum("bkms,bksd->bkmd", probs, v, preferred_element_type=jnp.float32)
     out = out.reshape(b, kv, t, g, d).transpose(0, 2, 1, 3, 4)  # [B, T, K, G, D]
     return out.reshape(b, t, h * d).astype(q.dtype)

@@ -13,21 +13,26 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxrl.lora.lora import Lora, lora_delta
 from jaxrl.model.attention import apply_rope, attend, rope_tables
 from jaxrl.model.families import ModelSpec
-from jaxrl.model.kv_cache import KVCache
+from jaxrl.model.kv_cache import KVCache, write_tokens
 from jaxrl.model.params import LINEAR_NAMES
 from jaxrl.quant.nf4 import QTensor, as_dense
+from jaxrl.quant.qmatmul import qmatmul
 
 Params = dict[str, Any]
 
 # What each layer of the scan keeps for the backward pass (`remat`), least recomputation first:
-# none saves every intermediate; dots saves the outputs of matmuls without batch dims (the
-# linears and LoRA products) and recomputes attention and elementwise ops; full saves only the
-# layer's input and recomputes the whole layer. Dequantized NF4 kernels are saved under none.
-REMAT_POLICIES = {"none": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+# none saves every intermediate; dots saves each projection's output (`projector`: the linear's
+# matmul plus its LoRA delta, one [B, T, out] array however the matmul is split, as the NF4
+# matmul splits it in two) and recomputes attention, norms, activations and the LoRA products;
+# full saves only the layer's input and recomputes the whole layer. Dequantized NF4 kernels are
+# saved under none.
+REMAT_POLICIES = {"none": None,
+                  "dots": jax.checkpoint_policies.save_only_these_names("projection"),
                   "full": jax.checkpoint_policies.nothing_saveable}
 
 
@@ -50,23 +55,29 @@ def embed(table: jax.Array, tokens: jax.Array) -> jax.Array:
 
 
 def linear(x: jax.Array, p: Params) -> jax.Array:
-    """x [..., in] @ kernel [in, out] (+ bias), accumulated in float32; the kernel may be a
-    quantized QTensor, dequantized here (so inside the layer scan, one layer at a time)."""
-    y = jnp.einsum("...i,io->...o", x, as_dense(p["kernel"], x.dtype),
-                   preferred_element_type=jnp.float32)
+    """x [B, T, in] @ kernel [in, out] (+ bias), accumulated in float32; the kernel may be a
+    quantized QTensor, dequantized here with the matmul (`qmatmul`), so inside the layer scan,
+    one layer at a time."""
+    kernel = p["kernel"]
+    if isinstance(kernel, QTensor):  # one token per row (decoding): bound by reading the kernel
+        y = qmatmul(x, kernel, memory_bound=x.shape[-2] == 1)
+    else:
+        y = jnp.einsum("...i,io->...o", x, kernel.astype(x.dtype),
+                       preferred_element_type=jnp.float32)
     if "bias" in p:
         y = y + p["bias"]
     return y.astype(x.dtype)
 
 
 def projector(lp: Params, ll: Params | None, lora: Lora | None, rng: jax.Array | None):
-    """proj(name, x): layer linear `name` applied to x, plus its adapter when it has one."""
+    """proj(name, x): layer linear `name` applied to x, plus its adapter when it has one; the
+    result is named "projection" (the one array remat dots saves of it)."""
     def proj(name: str, x: jax.Array) -> jax.Array:
         y = linear(x, lp[name])
         if ll is not None and name in ll:
             key = None if rng is None else jax.random.fold_in(rng, LINEAR_NAMES.index(name))
             y = y + lora_delta(x, ll[name], lora.scale, lora.dropout, key)
-        return y
+        return checkpoint_name(y, "projection")
     return proj
 
 
@@ -109,20 +120,28 @@ def _attention(mask: jax.Array):
     return attention
 
 
-def _cached_attention(mask: jax.Array, cache: KVCache, layer: jax.Array):
-    """Attention over layer `layer` of the stacked cache, this call's keys and values [B, T, K, D]
-    written first at each row's slots [cache.index[b], cache.index[b] + T). Only the new slots
-    are written (a scatter into the whole stack), so a decode step moves T tokens per row, not
-    the layer's cache; slots past the cache's end are dropped. Returns the stack too."""
+def _cached_attention(mask: jax.Array, layer_k: jax.Array, layer_v: jax.Array):
+    """Attention over one layer's cache slots [B, K, S, D], read in place, then this call's own
+    keys and values [B, T, K, D]; mask [B, T, S + T]. The cache is only read here: the new keys
+    and values are returned, and `hidden_states` writes all layers' into the cache after the
+    scan, so the layer loop neither carries nor rewrites the cache."""
     def attention(q, k, v):
-        b, t = q.shape[:2]
-        rows = jnp.arange(b)[:, None]  # [B, 1]
-        slots = cache.index[:, None] + jnp.arange(t)  # [B, T]
-        ck = cache.k.at[layer, rows, :, slots].set(k.astype(cache.k.dtype), mode="drop")
-        cv = cache.v.at[layer, rows, :, slots].set(v.astype(cache.v.dtype), mode="drop")
-        out = attend(q, ck[layer].astype(q.dtype), cv[layer].astype(q.dtype), mask)
-        return out, (ck, cv)
+        new_k, new_v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, D]
+        return attend(q, new_k, new_v, mask, cache=(layer_k, layer_v)), (k, v)
     return attention
+
+
+def cached_mask(attn_mask: jax.Array, t: int, start: jax.Array) -> jax.Array:
+    """[B, T, S + T]: query t of row b (start [B]: the slots its row has filled) sees the valid
+    cache slots s < start[b] and its call's tokens up to itself; attn_mask [B, S] marks valid
+    slots, and a new token is valid where its slot start[b] + t is (past the end: valid)."""
+    b, s = attn_mask.shape
+    slots = start[:, None] + jnp.arange(t)  # [B, T]
+    old = (jnp.arange(s) < start[:, None]) & attn_mask  # [B, S]
+    new_valid = jnp.take_along_axis(attn_mask, jnp.minimum(slots, s - 1), axis=1) | (slots >= s)
+    causal = jnp.arange(t)[None, :, None] >= jnp.arange(t)[None, None, :]  # [1, T, T]
+    new = causal & new_valid[:, None, :]  # [B, T, T]
+    return jnp.concatenate([jnp.broadcast_to(old[:, None, :], (b, t, s)), new], axis=2)
 
 
 def hidden_states(params: Params, tokens: jax.Array, positions: jax.Array, spec: ModelSpec, *,
@@ -136,37 +155,34 @@ def hidden_states(params: Params, tokens: jax.Array, positions: jax.Array, spec:
     also keep dequantized NF4 weights from being saved for the backward, one per layer.
     tokens, positions: [B, T] int32. attn_mask marks valid (non-pad) key slots: [B, T] without a
     cache, [B, S] over the cache slots with one (default: all valid). With a cache, row b's T
-    new tokens are written at slots [cache.index[b], cache.index[b] + T) and attend causally to
-    the slots before them; the stacked cache rides in the scan's carry.
+    new tokens attend causally to its filled slots [0, cache.index[b]) and to each other, then
+    are written at slots [cache.index[b], cache.index[b] + T) (`write_tokens`): the layer scan
+    reads each layer's cache as a scanned input and never carries the cache.
     """
     b, t = tokens.shape
-    start = jnp.zeros((b,), jnp.int32) if cache is None else cache.index
     if attn_mask is None:
         attn_mask = jnp.ones((b, t if cache is None else cache.max_len), bool)
-    mask = attention_mask(attn_mask, t, start)
+    if cache is None:
+        mask = attention_mask(attn_mask, t, jnp.zeros((b,), jnp.int32))
+    else:
+        mask = cached_mask(attn_mask, t, cache.index)
     rope = rope_tables(positions, spec)
     h = embed(params["embed_tokens"]["embedding"], tokens)  # [B, T, E]
 
-    def layer(carry, xs):
-        h, kv = carry
-        lp, ll, i, key = xs
-        attention = (_attention(mask) if kv is None
-                     else _cached_attention(mask, cache.replace(k=kv[0], v=kv[1]), i))
-        h, kv = decoder_layer(h, lp, projector(lp, ll, lora, key), rope, spec, attention)
-        return (h, kv), None
+    def layer(h, xs):
+        lp, ll, key, kv = xs
+        attention = _attention(mask) if kv is None else _cached_attention(mask, *kv)
+        return decoder_layer(h, lp, projector(lp, ll, lora, key), rope, spec, attention)
 
-    kv = None if cache is None else (cache.k, cache.v)
     ll = None if lora is None else lora.weights["layers"]
     use_dropout = lora is not None and lora.dropout > 0 and rng is not None
     keys = jax.random.split(rng, spec.num_layers) if use_dropout else None
+    kv = None if cache is None else (cache.k, cache.v)
     policy = REMAT_POLICIES[remat]
     body = layer if policy is None else jax.checkpoint(layer, policy=policy)
-    layers = jnp.arange(spec.num_layers)
-    (h, kv), _ = jax.lax.scan(body, (h, kv), (params["layers"], ll, layers, keys))
+    h, new = jax.lax.scan(body, h, (params["layers"], ll, keys, kv))
     h = rms_norm(h, params["norm"]["scale"], spec.rms_norm_eps)
-    if cache is None:
-        return h, None
-    return h, KVCache(k=kv[0], v=kv[1], index=start + t)
+    return h, (None if cache is None else write_tokens(cache, *new))
 
 
 def lm_logits(params: Params, h: jax.Array, spec: ModelSpec) -> jax.Array:

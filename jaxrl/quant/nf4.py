@@ -187,31 +187,68 @@ def quantize_np(w: np.ndarray, block_size: int = 64, mode: str = "nf4",
     return QTensor(codes, absmax.astype(jnp.dtype(scale_dtype)), block_size, mode, dtype)
 
 
-def _dense_scales(xp: Any, q: QTensor) -> Any:
+def _group_steps(xp: Any, steps: Any, n_blocks: int, n_out: int) -> Any:
+    """steps [..., G] spread to the scale grid [..., N, O]: scale (n, o) is number n * O + o in
+    row-major order, of group (n * O + o) // 256. When O is a multiple of 256, or divides it,
+    that is a broadcast, which fuses into the dequantization; otherwise a gather."""
+    lead = steps.shape[:-1]
+    if n_out % DQ_GROUP == 0:  # a row of scales spans O / 256 whole groups
+        per_row = steps.reshape(*lead, n_blocks, n_out // DQ_GROUP, 1)
+        return xp.broadcast_to(per_row, (*lead, n_blocks, n_out // DQ_GROUP, DQ_GROUP)
+                               ).reshape(*lead, n_blocks, n_out)
+    if DQ_GROUP % n_out == 0:  # a group spans 256 / O whole rows
+        rows = DQ_GROUP // n_out
+        per_group = xp.broadcast_to(steps[..., None], (*lead, steps.shape[-1], rows))
+        per_row = per_group.reshape(*lead, -1)[..., :n_blocks, None]
+        return xp.broadcast_to(per_row, (*lead, n_blocks, n_out))
+    group = (xp.arange(n_blocks)[:, None] * n_out + xp.arange(n_out)[None, :]) // DQ_GROUP
+    return steps[..., group]
+
+
+def dense_scales(xp: Any, q: QTensor) -> Any:
     """float32 scales [..., N, O], undoing double quantization when present."""
     scales = xp.asarray(q.scales)
     if not q.double_quant:
         return scales.astype(np.float32)
-    n_blocks, n_out = scales.shape[-2:]
-    group = (xp.arange(n_blocks)[:, None] * n_out + xp.arange(n_out)[None, :]) // DQ_GROUP
-    step = xp.asarray(q.scale_scales)[..., group]  # [..., N, O]
+    step = _group_steps(xp, xp.asarray(q.scale_scales), *scales.shape[-2:])  # [..., N, O]
     offset = xp.asarray(q.scale_offset)[..., None, None]
     return (scales.astype(np.float32) - _DQ_ZERO) * step + offset
 
 
+def select_levels(codes: jax.Array, codebook: np.ndarray) -> jax.Array:
+    """codebook[codes] (float32) for 4-bit codes as a tree of selects on the code's bits,
+    lowest bit first. A gather from a table cannot fuse into the matmul that consumes the
+    kernel, so it would write the dense layer to memory and read it back; selects fuse. Every
+    step picks one of the table's float32 values, so the result is exactly the table's.
+
+    The table's values enter as zero + value with zero = float(codes & 0): XLA folds that back
+    to the constant, but to jax it depends on the codes. A constant broadcast to the kernel's
+    shape depends on no input, and jax.checkpoint computes such values once outside the layer
+    loop and keeps them: sixteen kernel-sized float32 arrays."""
+    zero = (codes & 0).astype(jnp.float32)
+    level = [zero + np.float32(v) for v in codebook]
+    for shift in range(4):
+        on = (codes >> shift) & 1 == 1
+        level = [jnp.where(on, hi, lo) for lo, hi in zip(level[0::2], level[1::2])]
+    return level[0]
+
+
 def _dequantize_with(xp: Any, q: QTensor, dtype: Any) -> Any:
-    """One formula for numpy and jax.numpy, so both give the same values bit for bit."""
+    """One formula for numpy and jax.numpy, so both give the same values bit for bit; jax picks
+    the levels with selects (`select_levels`), numpy by indexing the table."""
     *lead, n_in, n_out = q.shape
     packed = xp.asarray(q.codes)  # [..., I/2, O]
     nibbles = xp.stack([packed & 0xF, packed >> 4], axis=-2).reshape(*lead, n_in, n_out)
-    levels = xp.asarray(CODEBOOKS[q.mode])[nibbles]  # [..., I, O]
+    book = CODEBOOKS[q.mode]
+    levels = book[nibbles] if xp is np else select_levels(nibbles, book)  # [..., I, O]
     blocks = levels.reshape(*lead, n_in // q.block_size, q.block_size, n_out)
-    dense = blocks * _dense_scales(xp, q)[..., :, None, :]  # [..., N, Bk, O]
+    dense = blocks * dense_scales(xp, q)[..., :, None, :]  # [..., N, Bk, O]
     return dense.reshape(*lead, n_in, n_out).astype(jnp.dtype(dtype or q.dtype))
 
 
 def dequantize(q: QTensor, dtype: Any = None) -> jax.Array:
-    """Dense kernel [..., I, O] in `dtype` (default: the quantized tensor's dtype); jit-safe."""
+    """Dense kernel [..., I, O] in `dtype` (default: the quantized tensor's dtype); jit-safe,
+    and free of gathers, so it fuses into the matmul that consumes it."""
     return _dequantize_with(jnp, q, dtype)
 
 
@@ -243,8 +280,6 @@ def quantized_bytes_per_param(shape: tuple[int, ...], block_size: int = 64,
 
 
 def as_dense(w: Any, dtype: Any) -> jax.Array:
-    """A kernel ready for a matmul in `dtype`: dequantized when it is a QTensor.
-
-    Called inside the per-layer body of the forward, so only one layer's dense weights exist at
-    a time."""
+    """A kernel ready for a matmul in `dtype`: dequantized when it is a QTensor (the LM head;
+    the layers' linears take `jaxrl.quant.qmatmul`, which never writes the dense kernel)."""
     return dequantize(w, dtype) if isinstance(w, QTensor) else w.astype(dtype)

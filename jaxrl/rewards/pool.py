@@ -147,20 +147,10 @@ class RewardPool:
     def _metrics(self, rewards: tuple[float, ...], results: dict[str, tuple[RewardResult, ...]],
                  seconds: float, waited: float, size: int) -> dict[str, float]:
         overlap = min(1.0, max(0.0, 1.0 - waited / seconds)) if seconds else 1.0
-        metrics = {"rewards/mean": sum(rewards) / max(1, size), "rewards/time_s": seconds,
-                   "rewards/wait_s": waited, "rewards/overlap": overlap,
-                   "rewards/per_s": size / seconds if seconds else 0.0}
-        failures: collections.Counter[str] = collections.Counter()
-        for name, rs in results.items():
-            metrics[f"rewards/{name}/mean"] = sum(r.value for r in rs) / max(1, len(rs))
-            for key in sorted({k for r in rs for k in r.components}):
-                values = [r.components[key] for r in rs if key in r.components]
-                metrics[f"rewards/{name}/{key}/mean"] = sum(values) / len(values)
-            failures.update(kind for r in rs for kind in failures_of(r))
-        self.failures.update(failures)
-        metrics["rewards/failures"] = float(sum(failures.values()))
-        metrics.update({f"rewards/failures/{k}": float(n) for k, n in sorted(failures.items())})
-        return metrics
+        self.failures.update(failure_counts(results))
+        return {"rewards/time_s": seconds, "rewards/wait_s": waited, "rewards/overlap": overlap,
+                "rewards/per_s": size / seconds if seconds else 0.0,
+                **reward_metrics(rewards, results)}
 
     def close(self) -> None:
         """Stop the loop and the workers; unfinished batches are abandoned."""
@@ -187,6 +177,28 @@ class RewardPool:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def failure_counts(results: dict[str, Sequence[RewardResult]]) -> collections.Counter[str]:
+    """How many results of each failure kind `results` hold."""
+    return collections.Counter(kind for rs in results.values() for r in rs
+                               for kind in failures_of(r))
+
+
+def reward_metrics(rewards: Sequence[float], results: dict[str, Sequence[RewardResult]],
+                   ) -> dict[str, float]:
+    """The batch metrics that depend on the scores alone (module docstring): rewards/mean,
+    per-function and per-component means, failure counts."""
+    metrics = {"rewards/mean": sum(rewards) / max(1, len(rewards))}
+    for name, rs in results.items():
+        metrics[f"rewards/{name}/mean"] = sum(r.value for r in rs) / max(1, len(rs))
+        for key in sorted({k for r in rs for k in r.components}):
+            values = [r.components[key] for r in rs if key in r.components]
+            metrics[f"rewards/{name}/{key}/mean"] = sum(values) / len(values)
+    failures = failure_counts(results)
+    metrics["rewards/failures"] = float(sum(failures.values()))
+    metrics.update({f"rewards/failures/{k}": float(n) for k, n in sorted(failures.items())})
+    return metrics
 
 
 def pipelined(pool: RewardPool, batches: Iterable[B], samples_of: Callable[[B], Sequence[Sample]],

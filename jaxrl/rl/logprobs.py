@@ -8,8 +8,8 @@ The LM head runs on C positions at a time inside `lax.scan`, so at most one chun
 at once instead of [B, N, V]. The chunk function is rematerialized (`jax.checkpoint`) unless
 remat is "none": the backward pass saves only each chunk's hidden states and recomputes its
 logits, so it never holds all chunks' logits either (under "none" it keeps them and recomputes
-nothing, for runs whose memory allows it: jaxrl/rl/remat.py). Chunks run along positions, not over flattened B * N rows, so a batch
-axis sharded over the mesh stays sharded.
+nothing, for runs whose memory allows it: jaxrl/rl/remat.py). Chunks run along positions, not
+over flattened B * N rows, so a batch axis sharded over the mesh stays sharded.
 
 Alignment: `token_logprobs(..., start=s)` scores tokens[:, s:]: out[:, j] = log p(tokens[:, s + j]
 | tokens[:, :s + j]), shape [B, T - s]. With s = 1 (the default) that is every next-token target

@@ -4,10 +4,17 @@ With `rewards.max_staleness: 1` the rollout of step t+1 runs while step t is sco
 update of step t follows it; pi_old is then the sampler's log-probs either way, which is exact
 because the update of step t uses only the tokens and log-probs of its own rollout.
 
+Between scoring and the update: the overlong penalty (rewards.overlong_buffer,
+jaxrl/rewards/overlong.py) is added to the rewards; with grpo.dynamic_sampling further rounds
+are sampled and scored until the step holds groups with reward spread (jaxrl/rl/dynamic.py);
+with grpo.mask_truncated the rows cut at max_new_tokens count in their group's advantages but
+leave the loss.
+
 Timings: a step's row reports what its wall time (time/step, from the previous row to this one)
 went to, so its phases add up to it less the untimed host work (data, prompts, logging).
 time/rollout and time/reference are the sampling and reference passes run within it: with
-max_staleness 1 those of the next step (the first row also holds its own, the last row none).
+max_staleness 1 those of the next step (the first row also holds its own, the last row none),
+plus those of dynamic sampling's extra rounds, whose scoring is time/reward_rounds.
 Each phase is timed until its results are ready, since JAX dispatches asynchronously.
 """
 from __future__ import annotations
@@ -26,7 +33,10 @@ from jaxrl import distributed
 from jaxrl.config import Config
 from jaxrl.model.transformer import positions_from_mask
 from jaxrl.rewards.base import Sample
+from jaxrl.rewards.overlong import with_overlong_penalty
+from jaxrl.rewards.pool import ScoredBatch
 from jaxrl.rl.advantages import compute_advantages
+from jaxrl.rl.dynamic import fill_groups
 from jaxrl.rl.rollout import Rollout, pack_rollout
 from jaxrl.rl.session import Session
 from jaxrl.rl.train_step import Batch
@@ -54,7 +64,7 @@ def make_batch(rollout: Rollout, advantages: np.ndarray, keep: np.ndarray,
 class _Phases:
     """Seconds spent in each timed phase since the last `lap`."""
 
-    NAMES = ("time/rollout", "time/reference", "time/update")
+    NAMES = ("time/rollout", "time/reference", "time/reward_rounds", "time/update")
 
     def __init__(self):
         self._seconds = dict.fromkeys(self.NAMES, 0.0)
@@ -72,21 +82,27 @@ class _Phases:
         return seconds
 
 
-def _rollouts(s: Session, phases: _Phases) -> Iterator[Rollout]:
-    """Each pull runs one rollout with the adapter as it is at that moment (a resumed run first
-    yields the rollout its checkpoint saved)."""
+def _sample_rollout(s: Session, step: int, key: jax.Array, phases: _Phases) -> Rollout:
+    """The rollout of the next data item's prompts (this process's, all G rows of each) with
+    the adapter as it is at that moment."""
     g = s.cfg.grpo.num_generations
+    records = next(s.data)[s.prompts]
+    prompts = [s.render(r) for r in records for _ in range(g)]
+    with phases.timing("time/rollout"):  # `sample` returns host arrays: it has finished
+        out = sample(s.params, s.spec, [s.prompt_ids(p) for p in prompts], key, s.cfg.sampling,
+                     lora=s.state.lora, eos_ids=s.eos_ids, detokenize=s.detokenize,
+                     shardings=s.rules)
+    return Rollout(step, [r for r in records for _ in range(g)], prompts, out)
+
+
+def _rollouts(s: Session, phases: _Phases) -> Iterator[Rollout]:
+    """Each pull runs one rollout (a resumed run first yields the rollout its checkpoint
+    saved)."""
     resumed = s.pending is not None and s.start_step < s.cfg.run.steps
     if resumed:
         yield s.pending
     for step in range(s.start_step + resumed, s.cfg.run.steps):
-        records = next(s.data)[s.prompts]  # this process's prompts, all G rows of each
-        prompts = [s.render(r) for r in records for _ in range(g)]
-        with phases.timing("time/rollout"):  # `sample` returns host arrays: it has finished
-            out = sample(s.params, s.spec, [s.prompt_ids(p) for p in prompts],
-                         jax.random.fold_in(s.key, step), s.cfg.sampling, lora=s.state.lora,
-                         eos_ids=s.eos_ids, detokenize=s.detokenize, shardings=s.rules)
-        yield Rollout(step, [r for r in records for _ in range(g)], prompts, out)
+        yield _sample_rollout(s, step, jax.random.fold_in(s.key, step), phases)
 
 
 def _reference(s: Session, phases: _Phases) -> Callable[[Rollout], None]:
@@ -103,6 +119,40 @@ def _reference(s: Session, phases: _Phases) -> Callable[[Rollout], None]:
 def _samples(rollout: Rollout) -> list[Sample]:
     return [Sample(prompt=p, completion=text, record=r)
             for p, text, r in zip(rollout.prompts, rollout.out.texts, rollout.records)]
+
+
+def _shaped(cfg: Config, rollout: Rollout, scored: ScoredBatch) -> ScoredBatch:
+    """scored with the overlong penalty (rewards.overlong_buffer) added, when it is on."""
+    if cfg.rewards.overlong_buffer == 0:
+        return scored
+    return with_overlong_penalty(scored, rollout.out.mask.sum(axis=1),
+                                 cfg.sampling.max_new_tokens, cfg.rewards.overlong_buffer,
+                                 cfg.rewards.overlong_penalty)
+
+
+def _extra_rounds(s: Session, step: int, phases: _Phases):
+    """draw(k): extra round k of `step` for dynamic sampling, sampled and scored now."""
+    def draw(k: int):
+        key = jax.random.fold_in(jax.random.fold_in(s.key, step), k)
+        rollout = _sample_rollout(s, step, key, phases)
+        with phases.timing("time/reward_rounds"):
+            scored = s.rewards.score(_samples(rollout))
+        return rollout, _shaped(s.cfg, rollout, scored)
+    return draw
+
+
+def _step_batch(s: Session, rollout: Rollout, scored: ScoredBatch, phases: _Phases):
+    """(rollout, scores, metrics) the update trains on: the overlong penalty added, and with
+    grpo.dynamic_sampling the groups of further rounds (jaxrl/rl/dynamic.py) and their
+    reference pass."""
+    scored = _shaped(s.cfg, rollout, scored)
+    if not s.cfg.grpo.dynamic_sampling:
+        return rollout, scored, {}
+    rollout, scored, metrics = fill_groups(
+        (rollout, scored), _extra_rounds(s, rollout.step, phases), s.cfg.grpo.num_generations,
+        s.cfg.grpo.max_sampling_rounds, distributed.host_max)
+    _reference(s, phases)(rollout)  # a reassembled rollout has no reference log-probs yet
+    return rollout, scored, metrics
 
 
 def _rollout_metrics(rollout: Rollout) -> dict[str, float]:
@@ -125,14 +175,15 @@ def _sample_rows(rollout: Rollout, scored) -> list[dict[str, Any]]:
     return rows
 
 
-def _step_metrics(s: Session, rollout: Rollout, scored, adv, update: dict, seconds: dict):
+def _step_metrics(s: Session, rollout: Rollout, scored, adv, update: dict, seconds: dict,
+                  extra: dict):
     rewards = np.asarray(scored.rewards)
     metrics = {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
                **{k.replace("rewards/", "reward/", 1): v for k, v in scored.metrics.items()
                   if k != "rewards/mean"},
-               **{f"grpo/{k}": float(v) for k, v in adv.metrics.items()},
+               **{f"grpo/{k}": float(v) for k, v in adv.metrics.items()}, **extra,
                **_rollout_metrics(rollout),
-               **{("loss/" + k if k in ("kl", "loss") else "train/" + k): float(v)
+               **{("loss/" + k if k in ("kl", "kl_weighted", "loss") else "train/" + k): float(v)
                   for k, v in update.items()},
                "train/lr": float(s.schedule(int(s.state.step))), **seconds}
     metrics["time/reward"] = scored.metrics["rewards/time_s"]
@@ -142,16 +193,23 @@ def _step_metrics(s: Session, rollout: Rollout, scored, adv, update: dict, secon
 
 
 def _update(s: Session, rollout: Rollout, scored):
+    """(advantages, the last update's metrics, grpo/truncated_masked_frac when masked)."""
+    grpo = s.cfg.grpo
     rewards = distributed.gather_rows(np.asarray(scored.rewards, np.float32), s.row_range[0])
-    adv = compute_advantages(rewards, s.cfg.grpo.num_generations, scale=s.cfg.grpo.scale_rewards,
-                             filter_zero_spread=s.cfg.grpo.filter_zero_spread)
+    # dynamic sampling's short places hold zero-spread groups: they must not train
+    adv = compute_advantages(rewards, grpo.num_generations, scale=grpo.scale_rewards,
+                             filter_zero_spread=grpo.filter_zero_spread or grpo.dynamic_sampling)
     mine = slice(*s.row_range)  # advantages see every process's rows; the batch holds ours
-    batch = make_batch(rollout, np.asarray(adv.advantages)[mine], np.asarray(adv.keep)[mine],
-                       s.to_device)
-    for _ in range(s.cfg.grpo.num_iterations):
+    keep, masked = np.asarray(adv.keep)[mine], {}
+    if grpo.mask_truncated:  # cut at max_new_tokens: in the group's advantages, not the loss
+        truncated = np.array([reason == "length" for reason in rollout.out.finish_reasons])
+        keep = keep * ~truncated
+        masked = {"grpo/truncated_masked_frac": float(truncated.mean())}
+    batch = make_batch(rollout, np.asarray(adv.advantages)[mine], keep, s.to_device)
+    for _ in range(grpo.num_iterations):
         s.state, update = s.train_step(s.state, s.params, batch)
     jax.block_until_ready(s.state)
-    return adv, jax.device_get(update)
+    return adv, jax.device_get(update), masked
 
 
 def train(cfg: Config, log: Callable[[str], None] = print) -> Path:
@@ -165,18 +223,19 @@ def train(cfg: Config, log: Callable[[str], None] = print) -> Path:
             last = time.perf_counter()
             for rollout, scored, ahead in s.pipelined(_rollouts(s, phases), _samples,
                                                       _reference(s, phases)):
+                rollout, scored, extra = _step_batch(s, rollout, scored, phases)
                 with phases.timing("time/update"):
-                    adv, update = _update(s, rollout, scored)
+                    adv, update, masked = _update(s, rollout, scored)
                 now = time.perf_counter()
                 seconds = {**phases.lap(), "time/step": now - last}
                 last = now
-                metrics = distributed.combine_metrics(
-                    _step_metrics(s, rollout, scored, adv, update, seconds))
-                if jax.process_index() == 0:  # one run log; every process has the same
-                    runlog.log_step(rollout.step + 1, metrics)
+                metrics = distributed.combine_metrics(_step_metrics(
+                    s, rollout, scored, adv, update, seconds, {**extra, **masked}))
+                runlog.log_step(rollout.step + 1, metrics)  # process 0 writes the run log
                 every = cfg.logging.samples_every
                 if every and (rollout.step + 1) % every == 0:
-                    runlog.log_samples(rollout.step + 1, _sample_rows(rollout, scored))
+                    runlog.log_samples(rollout.step + 1, distributed.gather_row_lists(
+                        _sample_rows(rollout, scored), s.row_range[0]))
                 s.checkpoints.after_step(rollout.step + 1, s.state, s.key, s.data,
                                          None if ahead is None else pack_rollout(ahead))
                 s.progress(rollout.step + 1, metrics)

@@ -2,17 +2,17 @@
 
 Policies (`jaxrl.model.transformer.REMAT_POLICIES`), least recomputation first: none saves every
 layer's intermediates and each chunk's logits, so the backward pass recomputes nothing; dots
-saves the outputs of the linears' matmuls and recomputes attention, norms and activations (and
-the LM head chunks); full saves only each layer's input and recomputes the whole forward pass.
-Less recomputation costs memory: none holds every layer's activations at once.
+saves each projection's output (the linear plus its LoRA delta) and recomputes attention, norms,
+activations and the LoRA products (and the LM head chunks); full saves only each layer's input
+and recomputes the whole forward pass. Less recomputation costs memory: none holds every
+layer's activations at once.
 
 `auto` compiles the step with none and takes it when the compiled program fits the device: its
 peak (arguments + outputs - donated buffers + temporaries, from XLA's memory analysis, the
 figures `jaxrl plan` reports) within the device's memory (`jaxrl.devices.device_memory`: the
 reported limit, the chip's HBM, or on a CPU the memory available when the step is compiled);
-otherwise dots, then full. When
-none fits, full runs (its figures are the smallest). A program the compiler refuses for lack of
-memory counts as not fitting.
+otherwise dots, then full. When none fits, full runs (its figures are the smallest). A program
+the compiler refuses for lack of memory counts as not fitting.
 """
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ class AutoRematStep:
                                              shardings) for p in POLICIES}
         devices = (jax.local_devices() if shardings is None
                    else list(jax.tree_util.tree_leaves(shardings)[0].device_set))
-        self._capacity = device_memory(devices)
+        self._capacity = device_memory(devices)[0]
         self.compiled: dict[tuple, Any] = {}
         self.policies: dict[tuple, str] = {}
 

@@ -1,5 +1,6 @@
-"""One step's rollout, and the packed form in which a checkpoint saves the rollout sampled ahead
-of its update (`rewards.max_staleness: 1`; see jaxrl/checkpoint.py)."""
+"""One step's rollout, the packed form in which a checkpoint saves the rollout sampled ahead
+of its update (`rewards.max_staleness: 1`; see jaxrl/checkpoint.py), and a rollout assembled
+from the groups of several (dynamic sampling, jaxrl/rl/dynamic.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,6 +9,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxrl import distributed
 from jaxrl.sampling.sampler import SampleOutput
 
 _OUT_ARRAYS = ("prompt_tokens", "prompt_mask", "tokens", "mask", "logprobs")
@@ -28,8 +30,8 @@ def pack_rollout(rollout: Rollout) -> tuple[dict[str, np.ndarray], dict[str, Any
     """(host arrays, JSON info) of a rollout, as a checkpoint holds it."""
     out = rollout.out
     arrays = {name: np.asarray(getattr(out, name)) for name in _OUT_ARRAYS}
-    if rollout.ref_logp is not None:
-        arrays["ref_logp"] = np.asarray(rollout.ref_logp)
+    if rollout.ref_logp is not None:  # this process's rows of it
+        arrays["ref_logp"] = distributed.rows_to_local(rollout.ref_logp)
     info = {"step": rollout.step, "records": rollout.records, "prompts": rollout.prompts,
             "finish_reasons": list(out.finish_reasons),
             "texts": None if out.texts is None else list(out.texts)}
@@ -43,3 +45,25 @@ def unpack_rollout(arrays: dict[str, np.ndarray], info: dict[str, Any]) -> Rollo
                        finish_reasons=tuple(info["finish_reasons"]),
                        texts=None if info["texts"] is None else tuple(info["texts"]))
     return Rollout(info["step"], info["records"], info["prompts"], out, arrays.get("ref_logp"))
+
+
+def take_groups(parts: list[Rollout], picks: list[tuple[int, int]], group: int) -> Rollout:
+    """The rollout made of group `g` (rows g * group ... (g + 1) * group - 1) of parts[p] for
+    each (p, g) in picks, in that order; prompts are left-padded to the widest part. It has
+    no reference log-probs: its rows come from several passes."""
+    rows = [(p, g * group + i) for p, g in picks for i in range(group)]
+    width = max(part.out.prompt_tokens.shape[1] for part in parts)
+
+    def column(name: str) -> np.ndarray:
+        def row(p: int, r: int) -> np.ndarray:  # prompt rows gain masked padding on the left
+            x = np.asarray(getattr(parts[p].out, name)[r])
+            return np.pad(x, (width - x.shape[0], 0)) if name.startswith("prompt_") else x
+        return np.stack([row(p, r) for p, r in rows])
+
+    texts = None if any(part.out.texts is None for part in parts) else tuple(
+        parts[p].out.texts[r] for p, r in rows)
+    out = SampleOutput(**{name: column(name) for name in _OUT_ARRAYS},
+                       finish_reasons=tuple(parts[p].out.finish_reasons[r] for p, r in rows),
+                       texts=texts)
+    return Rollout(parts[0].step, [parts[p].records[r] for p, r in rows],
+                   [parts[p].prompts[r] for p, r in rows], out)

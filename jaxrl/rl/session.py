@@ -22,10 +22,10 @@ from jaxrl.lora.start import start_lora
 from jaxrl.model.families import load_spec
 from jaxrl.quant.qparams import dequantize_strategy
 from jaxrl.rewards.pool import RewardPool, pipelined
-from jaxrl.rl.logprobs import token_logprobs
 from jaxrl.rl.rollout import unpack_rollout
-from jaxrl.rl.train_step import StepOptions, compile_train_step, init_train_state, make_optimizer
-from jaxrl.sharding import place, step_shardings
+from jaxrl.rl.train_step import (StepOptions, compile_reference, compile_train_step,
+                                 init_train_state, make_optimizer)
+from jaxrl.sharding import place, reference_shardings, step_shardings
 
 
 def learner_temperature(cfg: Config) -> float:
@@ -43,7 +43,7 @@ def step_options(cfg: Config) -> StepOptions:
                           "grpo.num_generations)")
     return StepOptions(grpo=cfg.grpo, temperature=learner_temperature(cfg),
                        max_new_tokens=cfg.sampling.max_new_tokens, micro_batches=rows // micro,
-                       remat=cfg.optim.remat)
+                       remat=cfg.optim.remat, seed=cfg.run.seed)
 
 
 def load_model(cfg: Config, rules, log: Callable[[str], None]):
@@ -61,12 +61,13 @@ def load_model(cfg: Config, rules, log: Callable[[str], None]):
     return model_dir, spec, tokenizer, params
 
 
-def reference_program(spec, temperature: float):
-    """The jitted reference pass: (params, tokens, mask, positions [B, S], width) -> log-probs
-    [B, width] of the last `width` tokens under the frozen base (LoRA off)."""
-    return jax.jit(lambda params, tokens, mask, positions, width: token_logprobs(
-        params, spec, tokens, positions, mask, None, start=tokens.shape[1] - width,
-        temperature=temperature, remat="none")[0], static_argnums=4)
+def reference_program(cfg: Config, spec, params, rules):
+    """The compiled reference pass of a step's rows: (params, tokens, positions, mask [B, S])
+    -> log-probs [B, sampling.max_new_tokens] under the frozen base (LoRA off), micro-batched as
+    the update is (`compile_reference`), on the mesh of `rules` (None: one device)."""
+    rows = cfg.data.prompts_per_step * cfg.grpo.num_generations
+    shardings = None if rules is None else reference_shardings(rules, params, spec, rows)
+    return compile_reference(spec, step_options(cfg), shardings)
 
 
 def _my_prompts(cfg: Config, rules) -> tuple[slice, tuple[int, int]]:
@@ -119,12 +120,14 @@ class Session:
             cfg, self.spec, self.params, self.rules, self.key)
         pool = build_pool(cfg.data, keep=prompt_fits(self.tokenizer, cfg.data.max_prompt_tokens))
         self.data = train_iterator(pool, cfg.data)
-        self.checkpoints = Checkpoints(cfg, model_dir, self.spec, log)
+        self.checkpoints = Checkpoints(cfg, model_dir, self.spec, log, rows=self.row_range)
         # pending: the Rollout sampled before the update of start_step, when resumed with it
         self.state, self.key, self.start_step, self.pending = _resume(
             self.checkpoints, self.state, self.key, self.data)
         if shardings is not None:
             self.state = place(self.state, shardings[0][0])
+        if self.pending is not None and self.pending.ref_logp is not None:
+            self.pending.ref_logp = self.to_device(self.pending.ref_logp)
         self.rewards = RewardPool(cfg)
         self._progress, self._task = _progress_bar(cfg, self.start_step)
 
@@ -136,11 +139,16 @@ class Session:
 
     @functools.cached_property
     def _reference_fn(self):
-        return reference_program(self.spec, learner_temperature(self.cfg))
+        return reference_program(self.cfg, self.spec, self.params, self.rules)
 
     def reference_logprobs(self, tokens, mask, positions, width: int) -> jax.Array:
-        """Log-probs [B, width] of the completion tokens under the frozen base (LoRA off)."""
-        return self._reference_fn(self.params, *self.to_device((tokens, mask, positions)), width)
+        """Log-probs [B, width] of the completion tokens under the frozen base (LoRA off),
+        micro-batched as the update is."""
+        if width != self.cfg.sampling.max_new_tokens:
+            raise ValueError(f"the reference pass scores sampling.max_new_tokens = "
+                             f"{self.cfg.sampling.max_new_tokens} completion columns; got {width}")
+        tokens, mask, positions = self.to_device((tokens, mask, positions))
+        return self._reference_fn(self.params, tokens, positions, mask)
 
     def to_device(self, rows):
         """This process's rows [R, ...] (numpy) as the programs take them (jaxrl/distributed.py)."""

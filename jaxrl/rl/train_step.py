@@ -1,4 +1,5 @@
-"""One GRPO policy update: jitted, LoRA and optimizer state donated, micro-batched.
+"""One GRPO policy update: jitted, LoRA and optimizer state donated, micro-batched; and the
+reference pass, micro-batched alike.
 
 Glossary: B completions, S = P + N tokens per row (left-padded prompt of width P, completion of
 width N), M micro-batches of B / M rows.
@@ -6,6 +7,11 @@ width N), M micro-batches of B / M rows.
 Only the LoRA pytree is differentiated; the frozen (possibly NF4) base params are an argument
 that is never differentiated. A step whose loss or gradients are not finite leaves the adapter
 and optimizer state unchanged and counts itself in `state.skipped`.
+
+LoRA dropout (`lora.dropout` > 0) draws its masks from `dropout_key`: a key per update tried,
+so each of `num_iterations` updates on a batch draws fresh masks and a resumed run draws the
+same ones; each micro-batch folds in its index. Only the policy's forward in the update drops
+out: the sampler and the reference pass run without a key.
 """
 from __future__ import annotations
 
@@ -21,7 +27,7 @@ from jaxrl.config import GrpoConfig, OptimConfig
 from jaxrl.lora.lora import Lora
 from jaxrl.model.families import ModelSpec
 from jaxrl.rl.logprobs import token_logprobs
-from jaxrl.rl.losses import grpo_loss, token_weights
+from jaxrl.rl.losses import ROW_METRICS, entropy_mask, grpo_loss, token_weights
 
 
 @struct.dataclass
@@ -55,6 +61,7 @@ class StepOptions:
     micro_batches: int = 1
     logprob_chunk: int = 128
     remat: str = "full"  # a key of jaxrl.model.transformer.REMAT_POLICIES, or auto
+    seed: int = 0  # of the LoRA dropout keys (run.seed)
 
 
 def make_optimizer(optim: OptimConfig, total_steps: int):
@@ -82,19 +89,38 @@ def init_train_state(lora: Lora, optimizer: optax.GradientTransformation) -> Tra
                       skipped=jnp.zeros((), jnp.int32))
 
 
+DROPOUT_STREAM = 0x44524F50  # folded into the seed's key: the dropout masks' own stream
+
+
+def dropout_key(lora: Lora, seed: int, state: TrainState) -> jax.Array | None:
+    """The LoRA dropout key of the update `state` is about to take (None without dropout):
+    PRNGKey(seed) on the dropout stream, folded with the updates tried so far (applied and
+    skipped), so no two updates of a run share masks."""
+    if lora.dropout == 0:
+        return None
+    key = jax.random.fold_in(jax.random.PRNGKey(seed), DROPOUT_STREAM)
+    return jax.random.fold_in(key, state.step + state.skipped)
+
+
+def micro_key(rng: jax.Array | None, index) -> jax.Array | None:
+    """Micro-batch `index`'s dropout key (None without dropout)."""
+    return None if rng is None else jax.random.fold_in(rng, index)
+
+
 def _loss(lora: Lora, params, spec: ModelSpec, mb: Batch, weights: jax.Array,
-          opts: StepOptions):
+          selected: jax.Array | None, opts: StepOptions, rng: jax.Array | None):
     width = mb.completion_mask.shape[1]
     logp, entropy = token_logprobs(
         params, spec, mb.tokens, mb.positions, mb.attn_mask, lora,
         start=mb.tokens.shape[1] - width, chunk=opts.logprob_chunk,
-        temperature=opts.temperature, with_entropy=True, remat=opts.remat)
+        temperature=opts.temperature, with_entropy=True, remat=opts.remat, rng=rng)
     loss, metrics = grpo_loss(logp, mb.logp_old, mb.advantages, mb.completion_mask, opts.grpo,
                               ref_logp=mb.ref_logp, max_new_tokens=opts.max_new_tokens,
-                              weights=weights)
+                              weights=weights, entropy=entropy, selected=selected)
     valid = mb.completion_mask.astype(jnp.float32)
     metrics["entropy_sum"] = jnp.sum(jax.lax.stop_gradient(entropy) * valid)
     metrics["tokens"] = valid.sum()
+    metrics["rows"] = (valid.sum(axis=1) > 0).sum().astype(jnp.float32)
     return loss, metrics
 
 
@@ -104,35 +130,70 @@ def _split(tree, m: int):
 
 
 def sum_over_micro_batches(fn, xs, micro_batches: int):
-    """fn(*xs) summed over the M micro-batches of xs (a tuple of pytrees of [B, ...] leaves),
-    one at a time in a `lax.scan`; fn(*xs) itself when M is 1."""
+    """fn(index, *xs) summed over the M micro-batches of xs (a tuple of pytrees of [B, ...]
+    leaves; None leaves are allowed), one at a time in a `lax.scan`; fn(0, *xs) when M is 1."""
     if micro_batches == 1:
-        return fn(*xs)
-    split = _split(xs, micro_batches)
+        return fn(jnp.zeros((), jnp.int32), *xs)
+    split = (jnp.arange(micro_batches), _split(xs, micro_batches))
     first = jax.tree_util.tree_map(lambda x: x[0], split)
     zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype),
-                                   jax.eval_shape(fn, *first))
-    body = lambda acc, x: (jax.tree_util.tree_map(jnp.add, acc, fn(*x)), None)  # noqa: E731
+                                   jax.eval_shape(lambda i, x: fn(i, *x), *first))
+
+    def body(acc, x):
+        return jax.tree_util.tree_map(jnp.add, acc, fn(x[0], *x[1])), None
     return jax.lax.scan(body, zeros, split)[0]
 
 
-def accumulate_grads(lora, params, spec, batch: Batch, weights, opts: StepOptions):
-    """Loss, gradient and token-weighted metrics summed over micro-batches."""
-    grad_fn = jax.value_and_grad(_loss, has_aux=True)
-    if opts.micro_batches == 1:
-        return grad_fn(lora, params, spec, batch, weights, opts)
-    per_token = lambda k: k not in ("tokens", "entropy_sum")  # noqa: E731
+_COUNTS = ("tokens", "rows", "entropy_sum")
 
-    def weighted(mb, w):
-        (loss, metrics), grads = grad_fn(lora, params, spec, mb, w, opts)
-        metrics = {k: v * metrics["tokens"] if per_token(k) else v for k, v in metrics.items()}
+
+def accumulate_grads(lora, params, spec, batch: Batch, weights, opts: StepOptions,
+                     rng: jax.Array | None = None, selected: jax.Array | None = None):
+    """Loss, gradient and metrics summed over micro-batches (each metric weighted by the
+    micro-batch's valid tokens, or its rows for ROW_METRICS); rng: the update's dropout key."""
+    grad_fn = jax.value_and_grad(_loss, has_aux=True)
+    basis = lambda k: "rows" if k in ROW_METRICS else "tokens"  # noqa: E731
+    if opts.micro_batches == 1:
+        return grad_fn(lora, params, spec, batch, weights, selected, opts, micro_key(rng, 0))
+
+    def weighted(index, mb, w, sel):
+        (loss, metrics), grads = grad_fn(lora, params, spec, mb, w, sel, opts,
+                                         micro_key(rng, index))
+        metrics = {k: v if k in _COUNTS else v * metrics[basis(k)] for k, v in metrics.items()}
         return (loss, metrics), grads
 
-    (loss, metrics), grads = sum_over_micro_batches(weighted, (batch, weights),
+    (loss, metrics), grads = sum_over_micro_batches(weighted, (batch, weights, selected),
                                                     opts.micro_batches)
-    tokens = jnp.maximum(metrics["tokens"], 1.0)
-    metrics = {k: v / tokens if per_token(k) else v for k, v in metrics.items()}
+    metrics = {k: v if k in _COUNTS else v / jnp.maximum(metrics[basis(k)], 1.0)
+               for k, v in metrics.items()}
     return (loss, metrics), grads
+
+
+def batch_entropy(lora, params, spec, batch: Batch, opts: StepOptions,
+                  rng: jax.Array | None) -> jax.Array:
+    """[B, N] entropies of the completion positions under the policy, micro-batch by
+    micro-batch with the keys the update's forward uses (no gradient is taken)."""
+    def one(index, mb):
+        width = mb.completion_mask.shape[1]
+        return token_logprobs(params, spec, mb.tokens, mb.positions, mb.attn_mask, lora,
+                              start=mb.tokens.shape[1] - width, chunk=opts.logprob_chunk,
+                              temperature=opts.temperature, with_entropy=True, remat="none",
+                              rng=micro_key(rng, index))[1]
+    m = opts.micro_batches
+    entropy = jax.lax.map(lambda x: one(*x), (jnp.arange(m), _split(batch, m)))
+    return entropy.reshape(batch.completion_mask.shape)
+
+
+def whole_batch_selection(lora, params, spec, batch: Batch, opts: StepOptions,
+                          rng: jax.Array | None) -> jax.Array | None:
+    """The tokens the policy loss keeps under grpo.top_entropy_quantile, chosen over the whole
+    batch before it is split into micro-batches; None when the loss can choose them itself
+    (all tokens kept, or one micro-batch that is the whole batch)."""
+    quantile = opts.grpo.top_entropy_quantile
+    if quantile >= 1.0 or opts.micro_batches == 1:
+        return None
+    entropy = batch_entropy(lora, params, spec, batch, opts, rng)
+    return entropy_mask(entropy, batch.completion_mask.astype(bool), quantile)
 
 
 def _all_finite(tree) -> jax.Array:
@@ -162,11 +223,47 @@ def train_step(state: TrainState, params, batch: Batch, *, spec: ModelSpec,
                          f"{opts.micro_batches} micro-batches; set optim.micro_batch_size to a "
                          "divisor of prompts_per_step * num_generations")
     weights = token_weights(batch.completion_mask, opts.grpo.loss_agg, opts.max_new_tokens)
-    (loss, metrics), grads = accumulate_grads(state.lora, params, spec, batch, weights, opts)
+    rng = dropout_key(state.lora, opts.seed, state)
+    selected = whole_batch_selection(state.lora, params, spec, batch, opts, rng)
+    (loss, metrics), grads = accumulate_grads(state.lora, params, spec, batch, weights, opts,
+                                              rng, selected)
     new_state, finite = apply_gradients(state, optimizer, loss, grads)
+    metrics.pop("rows")
     entropy = metrics.pop("entropy_sum") / jnp.maximum(metrics.pop("tokens"), 1.0)
     return new_state, {"loss": loss, "grad_norm": optax.global_norm(grads), "entropy": entropy,
                        "skipped": (~finite).astype(jnp.int32), **metrics}
+
+
+def reference_logprobs(params, tokens: jax.Array, positions: jax.Array, attn_mask: jax.Array, *,
+                       spec: ModelSpec, opts: StepOptions) -> jax.Array:
+    """The GRPO reference pass: log-probs [B, N] (N = opts.max_new_tokens) of each row's last N
+    tokens under the frozen base (LoRA off, so no dropout either), at the learner's temperature,
+    opts.micro_batches micro-batches one at a time as the update takes them, so its
+    activations are the size of the update's forward."""
+    def score(tok, pos, mask):
+        return token_logprobs(params, spec, tok, pos, mask, None,
+                              start=tok.shape[1] - opts.max_new_tokens, chunk=opts.logprob_chunk,
+                              temperature=opts.temperature, remat="none")[0]
+
+    b, m = tokens.shape[0], opts.micro_batches
+    if b % m:
+        raise ValueError(f"batch of {b} rows does not split into {m} micro-batches; set "
+                         "optim.micro_batch_size to a divisor of prompts_per_step * "
+                         "num_generations")
+    if m == 1:
+        return score(tokens, positions, attn_mask)
+    out = jax.lax.map(lambda xs: score(*xs), _split((tokens, positions, attn_mask), m))
+    return out.reshape(b, -1)  # [M, B / M, N] -> [B, N]
+
+
+def compile_reference(spec: ModelSpec, opts: StepOptions,
+                      shardings: tuple[Any, Any] | None = None):
+    """The jitted reference pass `(params, tokens, positions, attn_mask) -> [B, N]`.
+    shardings: (in, out) from `jaxrl.sharding.reference_shardings`; None for one device."""
+    placed = {} if shardings is None else {"in_shardings": shardings[0],
+                                           "out_shardings": shardings[1]}
+    return jax.jit(lambda params, tokens, positions, mask: reference_logprobs(
+        params, tokens, positions, mask, spec=spec, opts=opts), **placed)
 
 
 def jit_step(step, shardings: tuple[Any, Any] | None = None):

@@ -20,6 +20,14 @@ def bucket(n: int, minimum: int = MIN_BUCKET) -> int:
     return 1 << (max(n, minimum) - 1).bit_length()
 
 
+def quarter_bucket(n: int, minimum: int = MIN_BUCKET) -> int:
+    """n rounded up to four widths per octave (multiples of bucket(n) / 8): padding wastes at
+    most a fifth of a row instead of half (640 for 600 tokens, where bucket gives 1024), for
+    programs whose every row is computed in full, such as SFT steps."""
+    step = max(bucket(n, minimum) // 8, 1)
+    return -(-max(n, minimum) // step) * step
+
+
 def left_pad(prompts: Sequence[Sequence[int]], width: int, pad_id: int = 0):
     """(tokens [B, W] int32, mask [B, W] bool): each prompt right-aligned in `width` columns, so
     every row's last prompt token sits in the last column and decoding appends after it."""

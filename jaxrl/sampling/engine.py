@@ -8,9 +8,10 @@ Slots. Each slot holds one request's row of the KV cache, left-aligned: its prom
 [0, len), its t-th new token in column len + t, so a token's cache column is its position and
 no slot carries padding. Beside the cache every slot holds, as arrays [S] on the device: the
 token to feed next, whether it is live, how many tokens it has generated, its token budget, its
-PRNG key and its decoding settings (`RowSettings`). A slot's t-th token is drawn with
-fold_in(key, t) under its own settings, so a request decodes the same tokens whatever slot it
-lands in and whatever decodes beside it.
+PRNG key and its decoding settings (`RowSettings`), and for the penalties which tokens its
+prompt holds and how often it generated each (`History`, [S, V] each). A slot's t-th token is
+drawn with fold_in(key, t) under its own settings, so a request decodes the same tokens
+whatever slot it lands in and whatever decodes beside it.
 
 Programs (jitted; static: the model spec, EOS ids, mesh and the shapes):
   admit     prefill U distinct prompts once (right-padded to P), copy row src[m]'s P cache
@@ -29,14 +30,15 @@ slots whose request finished (an EOS id, or its max_new_tokens). `Engine.run` st
 queue is empty and no slot is live.
 
 Both programs run the model's `lax.scan` over the stacked layers (`hidden_states`), the loop
-training runs, with NF4 kernels dequantized one layer at a time inside it and the stacked cache
-in the scan's carry, where each step writes only its new token per slot. The cache is float32
-on CPU (XLA:CPU computes bf16 elementwise ops in float32, so a bf16 cache would be converted
-whole at every write) and in the activations' dtype elsewhere, which is lossless: keys and
-values are computed in that dtype.
+training runs, with NF4 kernels dequantized one layer at a time inside it; the scan reads each
+layer's cache in place and each step writes only its new token per slot, once, after the scan
+(`kv_cache.write_tokens`), into the donated state. The cache is float32 on CPU (XLA:CPU
+converts a bf16 cache whole to float32 for that write) and in the activations' dtype
+elsewhere, which is lossless: keys and values are computed in that dtype.
 
 Several processes: each process queues its own requests and fills its own slots (the rows of
-the slot axis that its devices hold); the bucket sizes and whether to admit are agreed with
+the slot axis that its devices hold; processes whose devices share a batch shard hold the same
+slots and queue the same requests); the bucket sizes and whether to admit are agreed with
 `distributed.host_max`, so every process runs the same programs in the same order.
 """
 from __future__ import annotations
@@ -57,7 +59,8 @@ from jaxrl.model.families import ModelSpec
 from jaxrl.model.kv_cache import KVCache, init_cache
 from jaxrl.model.transformer import Params, hidden_states, lm_logits
 from jaxrl.sampling.buckets import bucket
-from jaxrl.sampling.sampling_fns import Decoding, RowSettings, next_token
+from jaxrl.sampling.sampling_fns import (MAX_TOP_LOGPROBS, Decoding, History, RowSettings,
+                                         next_token)
 from jaxrl.sharding import (MeshRules, cache_shardings, constrain, lora_shardings,
                             param_shardings, row_shardings)
 
@@ -73,6 +76,7 @@ class Slots:
     budget: jax.Array  # [S] int32: max new tokens
     keys: jax.Array  # [S, 2] uint32
     settings: RowSettings  # [S] each
+    history: History  # [S, V] each: what the penalties read
 
 
 @struct.dataclass
@@ -82,6 +86,8 @@ class Chunk:
     tokens: jax.Array  # int32
     logprobs: jax.Array  # float32
     emitted: jax.Array  # bool: the slot was live and produced this token
+    top_ids: jax.Array  # [S, N, MAX_TOP_LOGPROBS] int32, for slots that ask (RowSettings)
+    top_logprobs: jax.Array  # [S, N, MAX_TOP_LOGPROBS] float32
 
 
 def _platform(shardings: MeshRules | None) -> str:
@@ -110,9 +116,9 @@ def init_slots(params: Params, *, spec: ModelSpec, slots: int, capacity: int,
     zeros = lambda dtype: jnp.zeros((slots,), dtype)
     state = Slots(cache=cache, last=zeros(jnp.int32), live=zeros(bool), count=zeros(jnp.int32),
                   budget=zeros(jnp.int32), keys=jnp.zeros((slots, 2), jnp.uint32),
-                  settings=RowSettings(temperature=zeros(jnp.float32), top_k=zeros(jnp.int32),
-                                       top_p=jnp.ones((slots,), jnp.float32),
-                                       min_p=zeros(jnp.float32)))
+                  settings=jax.tree_util.tree_map(jnp.asarray,
+                                                  RowSettings.of([Decoding()] * slots)),
+                  history=History.empty(slots, spec.vocab_size))
     return state if shardings is None else constrain(state, _slot_shardings(shardings, state))
 
 
@@ -155,8 +161,8 @@ def admit(state: Slots, params: Params, lora: Lora | None, prompts: jax.Array,
           eos_ids: tuple[int, ...], shardings: MeshRules | None = None):
     """Prefill prompts [U, P] (right-padded; lengths [U]) and fill slots dst [M] from rows
     src [M] with keys [M, 2], settings [M] and budgets [M] (module docstring). Returns the new
-    state and, per new slot [M], its first token, that token's log-prob and whether the slot is
-    already done."""
+    state and, per new slot [M], its first token with its log-probs (`Picked`) and whether the
+    slot is already done."""
     params, lora = _place(params, lora, spec, shardings)
     u, p = prompts.shape
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (u, p))
@@ -164,7 +170,10 @@ def admit(state: Slots, params: Params, lora: Lora | None, prompts: jax.Array,
     h, pre = hidden_states(params, prompts, positions, spec, cache=pre, lora=lora)
     last = jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [U, E]
     logits = lm_logits(params, last, spec)[src]  # [M, V]
-    token, logprob = next_token(_fold(keys, 0), logits, settings)
+    seen = jax.tree_util.tree_map(lambda a: a[src],
+                                  History.of_prompts(prompts, lengths, spec.vocab_size))
+    picked = next_token(_fold(keys, 0), logits, settings, seen)
+    token = picked.token
     done = jnp.isin(token, jnp.asarray(eos_ids, jnp.int32)) | (budget <= 1)
     put = lambda a, x: a.at[dst].set(x, mode="drop")
     cache = _insert_rows(state.cache, pre, src, dst)
@@ -172,8 +181,10 @@ def admit(state: Slots, params: Params, lora: Lora | None, prompts: jax.Array,
     state = state.replace(cache=cache, last=put(state.last, token), live=put(state.live, ~done),
                           count=put(state.count, jnp.ones_like(budget)),
                           budget=put(state.budget, budget), keys=put(state.keys, keys),
-                          settings=jax.tree_util.tree_map(put, state.settings, settings))
-    return state, token, logprob, done
+                          settings=jax.tree_util.tree_map(put, state.settings, settings),
+                          history=jax.tree_util.tree_map(put, state.history,
+                                                         seen.record(token, budget > 0)))
+    return state, picked, done
 
 
 @functools.partial(jax.jit, donate_argnums=0,
@@ -192,22 +203,27 @@ def generate(state: Slots, params: Params, lora: Lora | None, *, spec: ModelSpec
         index = st.cache.index
         h, cache = hidden_states(params, st.last[:, None], index[:, None], spec,
                                  attn_mask=ones, cache=st.cache, lora=lora)
-        token, logprob = next_token(_fold(st.keys, st.count), lm_logits(params, h[:, -1], spec),
-                                    st.settings)
-        live = st.live
+        picked = next_token(_fold(st.keys, st.count), lm_logits(params, h[:, -1], spec),
+                            st.settings, st.history)
+        token, live = picked.token, st.live
         done = jnp.isin(token, eos) | (st.count + 1 >= st.budget)
         column = lambda a, x: a.at[:, i].set(x)
         out = Chunk(tokens=column(out.tokens, jnp.where(live, token, 0)),
-                    logprobs=column(out.logprobs, jnp.where(live, logprob, 0.0)),
-                    emitted=column(out.emitted, live))
+                    logprobs=column(out.logprobs, jnp.where(live, picked.logprob, 0.0)),
+                    emitted=column(out.emitted, live),
+                    top_ids=column(out.top_ids, picked.top_ids),
+                    top_logprobs=column(out.top_logprobs, picked.top_logprobs))
         st = st.replace(cache=cache.replace(index=jnp.where(live, index + 1, index)),
                         last=jnp.where(live, token, st.last), live=live & ~done,
-                        count=st.count + live)
+                        count=st.count + live, history=st.history.record(token, live))
         return i + 1, st, out
 
+    k = min(MAX_TOP_LOGPROBS, spec.vocab_size)
     empty = Chunk(tokens=jnp.zeros((s, steps), jnp.int32),
                   logprobs=jnp.zeros((s, steps), jnp.float32),
-                  emitted=jnp.zeros((s, steps), bool))
+                  emitted=jnp.zeros((s, steps), bool),
+                  top_ids=jnp.zeros((s, steps, k), jnp.int32),
+                  top_logprobs=jnp.zeros((s, steps, k), jnp.float32))
     _, state, out = jax.lax.while_loop(lambda c: (c[0] < steps) & jnp.any(c[1].live), step,
                                        (jnp.zeros((), jnp.int32), state, empty))
     return state, out
@@ -217,7 +233,8 @@ def generate(state: Slots, params: Params, lora: Lora | None, *, spec: ModelSpec
 class Request:
     """One completion to decode: prompt token ids, settings, a budget and a key (the same key,
     prompt and settings always give the same tokens). on_token(token, logprob) is called with
-    each new token as it is decoded; on_done(request) once it has finished."""
+    each new token as it is decoded (after `top_logprobs` got that token's alternatives, when
+    decoding.top_logprobs asks for them); on_done(request) once it has finished."""
 
     prompt: Sequence[int]
     decoding: Decoding = Decoding()
@@ -227,11 +244,17 @@ class Request:
     on_done: Callable[["Request"], None] | None = None
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
+    # per token: the decoding.top_logprobs most likely (token id, log-prob), best first
+    top_logprobs: list[tuple[tuple[int, float], ...]] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None  # "stop" (an EOS id) or "length"
 
-    def _emit(self, token: int, logprob: float) -> None:
+    def _emit(self, token: int, logprob: float, top_ids: np.ndarray,
+              top_logprobs: np.ndarray) -> None:
         self.tokens.append(token)
         self.logprobs.append(logprob)
+        k = self.decoding.top_logprobs
+        if k:
+            self.top_logprobs.append(tuple(zip(top_ids[:k].tolist(), top_logprobs[:k].tolist())))
         if self.on_token is not None:
             self.on_token(token, logprob)
 
@@ -311,12 +334,11 @@ class Engine:
             self.state, chunk = generate(self.state, self.params, self.lora, spec=self.spec,
                                          eos_ids=self.eos_ids, steps=self.chunk,
                                          shardings=self.shardings)
-            tokens, logprobs, emitted, live = self._local((chunk.tokens, chunk.logprobs,
-                                                           chunk.emitted, self.state.live))
+            chunk, live = self._local((chunk, self.state.live))
             self.stats.chunks += 1
-            self.stats.steps += int(emitted.any(axis=0).sum())
-            self.stats.tokens += int(emitted.sum())
-            self._dispatch(tokens, logprobs, emitted, live)
+            self.stats.steps += int(chunk.emitted.any(axis=0).sum())
+            self.stats.tokens += int(chunk.emitted.sum())
+            self._dispatch(chunk, live)
         return bool(distributed.host_max(int(self.busy())))
 
     def run(self) -> None:
@@ -329,11 +351,11 @@ class Engine:
         return jax.device_get(tree) if self.shardings is None else distributed.rows_to_local(tree)
 
     def _rows(self, n: int) -> int:
-        """n rounded up to a power of two that, with several processes, splits over their
-        batch shards."""
+        """n rounded up to a power of two that, with several processes, splits over the batch
+        shards this process holds."""
         per_process = 1
         if self.shardings is not None and jax.process_count() > 1:
-            per_process = max(1, self.shardings.batch_ways // jax.process_count())
+            per_process = len(distributed.batch_shards(self.shardings)[jax.process_index()])
         return bucket(n, minimum=per_process)
 
     def _admit(self) -> None:
@@ -352,7 +374,8 @@ class Engine:
         for row, ids in enumerate(distinct):
             prompts[row, :len(ids)], lengths[row] = ids, len(ids)
         pad = m - n
-        offset = distributed.local_rows(self.shardings, u * jax.process_count())[0]
+        offset = distributed.local_rows(self.shardings,
+                                        distributed.global_rows(self.shardings, u))[0]
         rows = dict(
             src=np.asarray(src + [0] * pad, np.int32) + offset,
             dst=np.asarray(dst + [self.slots] * pad, np.int32),
@@ -364,26 +387,27 @@ class Engine:
         if self.shardings is not None:
             data = distributed.rows_to_global(self.shardings, data)
         prompts, lengths, rows = data
-        self.state, token, logprob, done = admit(
+        self.state, picked, done = admit(
             self.state, self.params, self.lora, prompts, lengths, rows["src"], rows["dst"],
             rows["keys"], rows["settings"], rows["budget"], spec=self.spec,
             eos_ids=self.eos_ids, shardings=self.shardings)
-        token, logprob, done = self._local((token, logprob, done))
+        p, done = self._local((picked, done))
         self.stats.prefills += len(distinct)
         self.stats.admitted += n
         for i, (request, slot) in enumerate(zip(take, dst)):
-            request._emit(int(token[i]), float(logprob[i]))
+            request._emit(int(p.token[i]), float(p.logprob[i]), p.top_ids[i], p.top_logprobs[i])
             if done[i]:
                 self._free.append(slot)
-                request._finish(int(token[i]) in self.eos_ids)
+                request._finish(int(p.token[i]) in self.eos_ids)
             else:
                 self._active[slot] = request
 
-    def _dispatch(self, tokens, logprobs, emitted, live) -> None:
+    def _dispatch(self, chunk: Chunk, live) -> None:
         for slot, request in list(self._active.items()):
             row = slot - self._first
-            for j in np.flatnonzero(emitted[row]):
-                request._emit(int(tokens[row, j]), float(logprobs[row, j]))
+            for j in np.flatnonzero(chunk.emitted[row]):
+                request._emit(int(chunk.tokens[row, j]), float(chunk.logprobs[row, j]),
+                              chunk.top_ids[row, j], chunk.top_logprobs[row, j])
             if not live[row]:
                 del self._active[slot]
                 self._free.append(slot)

@@ -84,7 +84,7 @@ def sample(params: Params, spec: ModelSpec, prompts: Sequence[Sequence[int]], ke
     rows, first = len(prompts), 0
     if shardings is not None:
         width = distributed.host_max(width)  # every process's rows share one cache width
-        rows = distributed.host_max(rows) * jax.process_count()
+        rows = distributed.global_rows(shardings, distributed.host_max(rows))
         first = distributed.local_rows(shardings, rows)[0]
     tokens, mask = left_pad(prompts, width)
     slots = bucket(rows, minimum=1)

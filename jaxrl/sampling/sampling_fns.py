@@ -13,14 +13,23 @@ order, each on the previous one's output; a removed token gets logit -inf.
          smallest set of most likely tokens whose mass reaches p. Tokens tied with the last
          kept one are kept too (HF's sort would split such a tie arbitrarily); 1 = off.
   min-p  keeps tokens with probability >= min_p * the largest probability; 0 = off.
-Temperature 0 is greedy: the first index of the largest raw logit (filters do not apply).
-A filter that no row uses is skipped at run time (`lax.cond`), and so are the draws when every
-row is greedy.
+Before all of them the raw logits are adjusted (`adjust_logits`) by what a row has seen
+(`History`: its prompt's tokens and how often it generated each token), in this order:
+  repetition_penalty r (as in HF / CTRL): a logit of a token in the prompt or the output so far
+         is divided by r where positive, multiplied by r where negative; 1 = off.
+  presence_penalty a, frequency_penalty f (as in the OpenAI API): a token generated c times so
+         far loses a * (c > 0) + f * c; 0 = off. The prompt does not count.
+  logit_bias: up to MAX_LOGIT_BIAS (token id, bias) pairs added to the logits.
+Temperature 0 is greedy: the first index of the largest adjusted logit (filters do not apply).
+An adjustment or filter that no row uses is skipped at run time (`lax.cond`), and so are the
+draws when every row is greedy.
 
 Log-probs (`next_token`): the log-probability of the chosen token under log_softmax(logits / T)
-for T > 0, taken BEFORE top-k / top-p / min-p filtering, which is the distribution the learner's
-`jaxrl.rl.logprobs` computes at the same temperature; for T = 0 it is the untempered
-log_softmax(logits).
+of the model's raw logits for T > 0, taken BEFORE the adjustments and top-k / top-p / min-p
+filtering, which is the distribution the learner's `jaxrl.rl.logprobs` computes at the same
+temperature; for T = 0 it is the untempered log_softmax(logits). Rows that ask for
+`top_logprobs` also get the MAX_TOP_LOGPROBS most likely tokens of that distribution with their
+log-probs (computed only when some row asks).
 
 Draws: row b draws one uniform from its own key, so what a row samples does not depend on the
 rows beside it. `categorical` inverts the CDF in two levels, block sums then one block, instead
@@ -42,6 +51,9 @@ from jaxrl.config import SamplingConfig
 
 _BLOCK = 128  # C: vocab entries per block in `categorical`
 _CANDIDATES = 256  # entries top-k and top-p read before they fall back to bisection
+MAX_TOP_LOGPROBS = 20  # alternatives a row can ask for per token (the OpenAI API's limit)
+MAX_LOGIT_BIAS = 300  # (token id, bias) pairs per row
+_NO_TOKEN = 2 ** 30  # the token id of an unused logit_bias entry: past any vocab, so dropped
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,12 +64,23 @@ class Decoding:
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
     min_p: float = 0.0  # 0 = off
+    repetition_penalty: float = 1.0  # 1 = off
+    presence_penalty: float = 0.0  # 0 = off
+    frequency_penalty: float = 0.0  # 0 = off
+    top_logprobs: int = 0  # alternatives returned per token, 0 = none
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
 
     def __post_init__(self):
         checks = (("temperature", self.temperature >= 0, ">= 0 (0 = greedy)"),
                   ("top_k", isinstance(self.top_k, int) and self.top_k >= 0, "an int >= 0"),
                   ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
-                  ("min_p", 0 <= self.min_p < 1, "in [0, 1)"))
+                  ("min_p", 0 <= self.min_p < 1, "in [0, 1)"),
+                  ("repetition_penalty", self.repetition_penalty > 0, "> 0 (1 = off)"),
+                  ("top_logprobs", 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
+                   f"in [0, {MAX_TOP_LOGPROBS}]"),
+                  ("logit_bias", len(self.logit_bias) <= MAX_LOGIT_BIAS
+                   and all(0 <= int(t) < _NO_TOKEN for t, _ in self.logit_bias),
+                   f"at most {MAX_LOGIT_BIAS} (token id >= 0, bias) pairs"))
         for name, ok, allowed in checks:
             if not ok:
                 raise ValueError(f"decoding {name} must be {allowed}; got {getattr(self, name)!r}")
@@ -73,20 +96,63 @@ class Decoding:
 
 @struct.dataclass
 class RowSettings:
-    """Decoding settings per row, as arrays [B]."""
+    """Decoding settings per row, as arrays [B] (logit_bias as [B, MAX_LOGIT_BIAS] pairs)."""
 
     temperature: jax.Array  # float32; 0 = greedy
     top_k: jax.Array  # int32; 0 = off
     top_p: jax.Array  # float32; 1 = off
     min_p: jax.Array  # float32; 0 = off
+    repetition_penalty: jax.Array  # float32; 1 = off
+    presence_penalty: jax.Array  # float32; 0 = off
+    frequency_penalty: jax.Array  # float32; 0 = off
+    top_logprobs: jax.Array  # int32; 0 = none
+    bias_ids: jax.Array  # [B, MAX_LOGIT_BIAS] int32; _NO_TOKEN where unused
+    bias: jax.Array  # [B, MAX_LOGIT_BIAS] float32
 
     @classmethod
     def of(cls, rows: Sequence[Decoding]) -> "RowSettings":
         """Host arrays of one `Decoding` per row."""
         column = lambda name, dtype: np.asarray([getattr(d, name) for d in rows], dtype)
+        bias_ids = np.full((len(rows), MAX_LOGIT_BIAS), _NO_TOKEN, np.int32)
+        bias = np.zeros((len(rows), MAX_LOGIT_BIAS), np.float32)
+        for row, d in enumerate(rows):
+            for i, (token, value) in enumerate(d.logit_bias):
+                bias_ids[row, i], bias[row, i] = token, value
         return cls(temperature=column("temperature", np.float32),
                    top_k=column("top_k", np.int32), top_p=column("top_p", np.float32),
-                   min_p=column("min_p", np.float32))
+                   min_p=column("min_p", np.float32),
+                   repetition_penalty=column("repetition_penalty", np.float32),
+                   presence_penalty=column("presence_penalty", np.float32),
+                   frequency_penalty=column("frequency_penalty", np.float32),
+                   top_logprobs=column("top_logprobs", np.int32), bias_ids=bias_ids, bias=bias)
+
+
+@struct.dataclass
+class History:
+    """What each row has seen, for the penalties: [B, V] each."""
+
+    prompt: jax.Array  # bool: the token occurs in the row's prompt
+    counts: jax.Array  # int32: times the row has generated the token
+
+    @classmethod
+    def empty(cls, rows: int, vocab: int) -> "History":
+        return cls(prompt=jnp.zeros((rows, vocab), bool),
+                   counts=jnp.zeros((rows, vocab), jnp.int32))
+
+    @classmethod
+    def of_prompts(cls, prompts: jax.Array, lengths: jax.Array, vocab: int) -> "History":
+        """The history of prompts [B, P] (right-padded; lengths [B]) before any new token."""
+        b, p = prompts.shape
+        real = jnp.arange(p)[None, :] < lengths[:, None]
+        rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, p))
+        empty = cls.empty(b, vocab)
+        return empty.replace(prompt=empty.prompt.at[rows, jnp.where(real, prompts, vocab)].set(
+            True, mode="drop"))
+
+    def record(self, token: jax.Array, live: jax.Array) -> "History":
+        """The history after each live row [B] generated token [B]."""
+        rows = jnp.arange(token.shape[0])
+        return self.replace(counts=self.counts.at[rows, token].add(live.astype(jnp.int32)))
 
 
 def _per_row(x, logits: jax.Array) -> jax.Array:
@@ -214,15 +280,62 @@ def greedy(logits: jax.Array) -> jax.Array:
     return jax.lax.top_k(logits, 1)[1][:, 0].astype(jnp.int32)
 
 
-def next_token(keys: jax.Array, logits: jax.Array, settings: RowSettings):
-    """(token [B] int32, log-prob [B] float32) from float32 logits [B, V], row b drawn with
-    keys[b] under its own settings; the log-prob is of the tempered, unfiltered distribution
-    (module docstring)."""
+def _when_used(used: jax.Array, adjust, logits: jax.Array) -> jax.Array:
+    return jax.lax.cond(jnp.any(used), adjust, lambda x: x, logits)
+
+
+def adjust_logits(logits: jax.Array, settings: RowSettings, history: History) -> jax.Array:
+    """Raw logits [B, V] after each row's repetition, presence and frequency penalties and
+    logit_bias (module docstring); an adjustment no row uses is skipped."""
+    rows = jnp.arange(logits.shape[0])[:, None]
+    r = settings.repetition_penalty[:, None]
+
+    def repetition(x):
+        seen = history.prompt | (history.counts > 0)
+        return jnp.where(seen, jnp.where(x > 0, x / r, x * r), x)
+
+    def presence_frequency(x):
+        counts = history.counts.astype(x.dtype)
+        return (x - settings.presence_penalty[:, None] * (counts > 0)
+                - settings.frequency_penalty[:, None] * counts)
+
+    bias = lambda x: x.at[rows, settings.bias_ids].add(settings.bias, mode="drop")
+    logits = _when_used(settings.repetition_penalty != 1, repetition, logits)
+    logits = _when_used((settings.presence_penalty != 0) | (settings.frequency_penalty != 0),
+                        presence_frequency, logits)
+    return _when_used(settings.bias_ids < _NO_TOKEN, bias, logits)
+
+
+@struct.dataclass
+class Picked:
+    """`next_token`'s output for B rows."""
+
+    token: jax.Array  # [B] int32
+    logprob: jax.Array  # [B] float32 (module docstring)
+    top_ids: jax.Array  # [B, MAX_TOP_LOGPROBS] int32: the most likely tokens, best first
+    top_logprobs: jax.Array  # [B, MAX_TOP_LOGPROBS] float32; 0 when no row asked for them
+
+
+def next_token(keys: jax.Array, logits: jax.Array, settings: RowSettings,
+               history: History) -> Picked:
+    """The next token of each row from float32 logits [B, V], row b drawn with keys[b] under
+    its own settings and history; log-probs of the tempered raw distribution (module
+    docstring)."""
     is_greedy = settings.temperature == 0
-    scaled = logits / jnp.where(is_greedy, 1.0, settings.temperature)[:, None]
-    best = greedy(logits)
+    temperature = jnp.where(is_greedy, 1.0, settings.temperature)[:, None]
+    adjusted = adjust_logits(logits, settings, history)
+    best = greedy(adjusted)
     token = jax.lax.cond(
         jnp.all(is_greedy), lambda: best,
-        lambda: jnp.where(is_greedy, best, categorical(keys, filter_logits(scaled, settings))))
+        lambda: jnp.where(is_greedy, best,
+                          categorical(keys, filter_logits(adjusted / temperature, settings))))
+    scaled = logits / temperature
+    lse = jax.nn.logsumexp(scaled, axis=-1)  # [B]
+    k = min(MAX_TOP_LOGPROBS, logits.shape[-1])
+    top_scaled, top_ids = jax.lax.cond(
+        jnp.any(settings.top_logprobs > 0), lambda: tuple(jax.lax.top_k(scaled, k)),
+        lambda: (lse[:, None] + jnp.zeros((1, k), scaled.dtype),
+                 jnp.zeros(scaled.shape[:1] + (k,), jnp.int32)))
     chosen = jnp.take_along_axis(scaled, token[:, None], axis=-1)[:, 0]
-    return token, chosen - jax.nn.logsumexp(scaled, axis=-1)
+    return Picked(token=token, logprob=chosen - lse, top_ids=top_ids.astype(jnp.int32),
+                  top_logprobs=top_scaled - lse[:, None])

@@ -1,41 +1,39 @@
-"""The OpenAI API's request and response shapes for /v1/chat/completions and /v1/completions.
+"""Requests of the OpenAI API for /v1/chat/completions and /v1/completions, checked.
 
-Parsing is strict, as the OpenAI API is: an unknown field, a wrong type or a value out of range
-is a 400 naming the field (`param`) and what is allowed. Fields the sampler cannot honour are
-accepted only at the value that changes nothing (stream false, penalties 0, logit_bias empty,
-top_logprobs 0, echo false, best_of = n): the sampler returns the chosen token's log-prob, not
-the top alternatives, and has no penalties. Nothing here touches the model; `Engine` (engine.py)
-turns prompts into token ids and `Job`s into completions.
+A known field of the wrong type or out of range is a 400 naming the field (`param`) and what
+is allowed. A field this server does not know (vendor extensions, newer API fields) is ignored
+with one warning per field name, as vLLM does (`UnknownFields`). Fields that only have a
+neutral value here are accepted at that value alone: echo false, suffix "", best_of = n,
+response_format {"type": "text"}. Nothing here touches the model: the app (app.py) turns the
+parsed request into prompts and engine jobs.
 """
 from __future__ import annotations
 
-import time
-import uuid
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+import dataclasses
+import logging
+import threading
+from collections.abc import Mapping
 from typing import Any
 
-MAX_STOP = 4  # stop sequences per request, as in the OpenAI API
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+from jaxrl.sampling.sampling_fns import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, Decoding
+from jaxrl.serve.tools import template_arguments
 
-_COMMON = frozenset({"model", "max_tokens", "temperature", "top_p", "n", "stop", "seed",
-                     "user", "stream", "presence_penalty", "frequency_penalty", "logit_bias"})
+MAX_STOP = 4  # stop sequences per request, as in the OpenAI API
+MAX_N = 128  # completions per prompt, as in the OpenAI API
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+_COMMON = frozenset({"model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "user",
+                     "stream", "stream_options", "presence_penalty", "frequency_penalty",
+                     "logit_bias", "top_k", "min_p", "repetition_penalty"})
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
                          "response_format", "tools", "tool_choice", "parallel_tool_calls",
-                         "store", "metadata", "stream_options"}
+                         "store", "metadata"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"}
+_NEUTRAL = (("echo", (False,), "echo is not supported; send echo=false"),
+            ("suffix", ("",), "suffix (insertion) is not supported"),
+            ("response_format", ({"type": "text"},), 'only {"type": "text"} is supported'))
 
-# fields accepted only at values that leave sampling unchanged: (field, allowed, why)
-_INERT = (("stream", (False,), "streaming is not supported; send stream=false"),
-          ("presence_penalty", (0,), "penalties are not supported; send 0"),
-          ("frequency_penalty", (0,), "penalties are not supported; send 0"),
-          ("logit_bias", ({},), "logit_bias is not supported; send {} or leave it out"),
-          ("top_logprobs", (0,), "only the sampled token's log-prob is returned (top_logprobs 0)"),
-          ("echo", (False,), "echo is not supported; send echo=false"),
-          ("suffix", ("",), "suffix (insertion) is not supported"),
-          ("tools", ([],), "tool calls are not supported"),
-          ("tool_choice", ("none",), "tool calls are not supported"),
-          ("response_format", ({"type": "text"},), 'only {"type": "text"} is supported'))
+log = logging.getLogger("jaxrl.serve")
 
 
 class ApiError(Exception):
@@ -56,16 +54,35 @@ def bad(param: str, message: str) -> ApiError:
     return ApiError(400, f"'{param}': {message}", param=param)
 
 
-@dataclass(frozen=True)
+class UnknownFields:
+    """Warns once per unknown field name, across requests and threads."""
+
+    def __init__(self):
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()
+
+    def check(self, body: Mapping, known: frozenset[str]) -> None:
+        for name in sorted(set(body) - known):
+            with self._lock:
+                if name in self._seen:
+                    continue
+                self._seen.add(name)
+            log.warning("ignoring the request field %r, which this server does not know "
+                        "(warned once per field name)", name[:100])
+
+
+@dataclasses.dataclass(frozen=True)
 class Settings:
     """The sampling settings of one request (every prompt of it shares them)."""
+
     n: int
     max_tokens: int | None  # None: the endpoint's default, within the context window
-    temperature: float
-    top_p: float
+    decoding: Decoding
     stop: tuple[str, ...]
     seed: int | None
-    logprobs: bool
+    logprobs: int | None  # None: no log-probs; k: the chosen token's and k alternatives
+    stream: bool
+    include_usage: bool
 
 
 def _number(body: Mapping, name: str, default: float, low: float, high: float,
@@ -74,7 +91,7 @@ def _number(body: Mapping, name: str, default: float, low: float, high: float,
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise bad(name, f"expected a number, got {value!r}")
+        raise bad(name, f"expected a number, got {value!r:.100}")
     if not (low < value if low_open else low <= value) or value > high:
         bracket = "(" if low_open else "["
         raise bad(name, f"must be in {bracket}{low:g}, {high:g}]; got {value!r}")
@@ -86,11 +103,18 @@ def _integer(body: Mapping, name: str, low: int, high: int | None = None) -> int
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        raise bad(name, f"expected an integer, got {value!r}")
+        raise bad(name, f"expected an integer, got {value!r:.100}")
     if value < low or (high is not None and value > high):
         upper = "" if high is None else f" and <= {high}"
         raise bad(name, f"must be >= {low}{upper}; got {value}")
     return value
+
+
+def _flag(body: Mapping, name: str) -> bool:
+    value = body.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise bad(name, f"expected true or false, got {value!r:.100}")
+    return bool(value)
 
 
 def _stop(body: Mapping) -> tuple[str, ...]:
@@ -101,90 +125,203 @@ def _stop(body: Mapping) -> tuple[str, ...]:
     if (not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops)
             or len(stops) > MAX_STOP):
         raise bad("stop", f"expected a non-empty string or a list of up to {MAX_STOP} non-empty "
-                  f"strings, got {value!r}")
+                  f"strings, got {value!r:.100}")
     return tuple(stops)
 
 
-def check_fields(body: Any, allowed: frozenset[str], required: Sequence[str]) -> None:
-    """The body is an object of known fields, with the required ones, the inert ones inert."""
+def _logit_bias(body: Mapping, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    value = body.get("logit_bias")
+    if value is None:
+        return ()
+    if not isinstance(value, dict) or len(value) > MAX_LOGIT_BIAS:
+        raise bad("logit_bias", f"expected an object of up to {MAX_LOGIT_BIAS} token ids "
+                  f"(as strings) to biases in [-100, 100], got {value!r:.100}")
+    pairs = []
+    for token, bias in value.items():
+        if not (isinstance(token, str) and token.isdigit() and int(token) < vocab_size):
+            raise bad("logit_bias", f"keys must be token ids in [0, {vocab_size}); got "
+                      f"{token!r:.100}")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or abs(bias) > 100:
+            raise bad("logit_bias", f"biases must be numbers in [-100, 100]; got {bias!r:.100} "
+                      f"for token {token}")
+        pairs.append((int(token), float(bias)))
+    return tuple(pairs)
+
+
+def _min_p(body: Mapping) -> float:
+    value = _number(body, "min_p", 0.0, 0.0, 1.0)
+    if value == 1:
+        raise bad("min_p", "must be in [0, 1); got 1")
+    return value
+
+
+def check_fields(body: Any, known: frozenset[str], required: tuple[str, ...],
+                 unknown: UnknownFields) -> None:
+    """The body is an object with the required fields and neutral values where only those
+    are served; unknown fields are warned about once and ignored."""
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}")
-    unknown = sorted(set(body) - allowed)
-    if unknown:
-        raise bad(unknown[0], f"unrecognized request argument; this endpoint accepts "
-                  f"{', '.join(sorted(allowed))}")
+    unknown.check(body, known)
     for name in required:
         if body.get(name) is None:
             raise bad(name, "is required")
-    for name, values, why in _INERT:
-        if name in allowed and not _inert(body.get(name), values):
-            raise bad(name, f"{why}; got {body[name]!r}")
+    if not isinstance(body["model"], str):
+        raise bad("model", f"expected a string, got {body['model']!r:.100}")
+    for name, values, why in _NEUTRAL:
+        value = body.get(name) if name in known else None
+        if value is not None and not any(value == v and isinstance(value, bool) ==
+                                         isinstance(v, bool) for v in values):
+            raise bad(name, f"{why}; got {value!r:.100}")
 
 
-def _inert(value: Any, allowed: tuple) -> bool:
-    """value is None or equals an allowed value of the same kind (true is not 1)."""
-    return value is None or any(value == a and isinstance(value, bool) == isinstance(a, bool)
-                                for a in allowed)
-
-
-def settings(body: Mapping, max_rows: int, logprobs: bool) -> Settings:
+def settings(body: Mapping, vocab_size: int, logprobs: int | None) -> Settings:
     """The sampling settings of a checked body; `logprobs` as the endpoint reads it."""
-    n = _integer(body, "n", 1, max_rows) or 1
+    n = _integer(body, "n", 1, MAX_N) or 1
     best_of = _integer(body, "best_of", 1)
     if best_of is not None and best_of != n:
         raise bad("best_of", f"must equal n ({n}): every sampled completion is returned")
     max_tokens = _integer(body, "max_completion_tokens", 1)
     max_tokens = _integer(body, "max_tokens", 1) if max_tokens is None else max_tokens
-    return Settings(n=n, max_tokens=max_tokens,
-                    temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-                    top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
-                    stop=_stop(body), seed=_integer(body, "seed", -(2 ** 63), 2 ** 63 - 1),
-                    logprobs=logprobs)
+    stream = _flag(body, "stream")
+    options = body.get("stream_options")
+    if options is not None and (not stream or not isinstance(options, dict)):
+        raise bad("stream_options", "is an object allowed only with stream=true; got "
+                  f"{options!r:.100}")
+    top_k = _integer(body, "top_k", -1)  # -1 and 0 both mean off, as in vLLM
+    decoding = Decoding(
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
+        top_k=max(top_k or 0, 0), min_p=_min_p(body),
+        repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.0, 10.0, low_open=True),
+        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        top_logprobs=logprobs or 0, logit_bias=_logit_bias(body, vocab_size))
+    return Settings(n=n, max_tokens=max_tokens, decoding=decoding, stop=_stop(body),
+                    seed=_integer(body, "seed", -(2 ** 63), 2 ** 63 - 1), logprobs=logprobs,
+                    stream=stream, include_usage=_flag(options or {}, "include_usage"))
 
 
-def chat_logprobs(body: Mapping) -> bool:
-    value = body.get("logprobs")
-    if value is not None and not isinstance(value, bool):
-        raise bad("logprobs", f"expected true or false, got {value!r}")
-    return bool(value)
+def chat_logprobs(body: Mapping) -> int | None:
+    """None, or how many alternatives (top_logprobs) to return beside the chosen token's."""
+    top = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if not _flag(body, "logprobs"):
+        if top:
+            raise bad("top_logprobs", "needs logprobs=true")
+        return None
+    return top or 0
 
 
-def completion_logprobs(body: Mapping) -> bool:
-    """Completions take logprobs as a count of alternatives; only 0 (the sampled token's
-    log-prob) is served."""
-    value = body.get("logprobs")
-    if value is not None and (isinstance(value, bool) or value != 0):
-        raise bad("logprobs", "only the sampled token's log-prob is returned: send logprobs=0 "
-                  f"or leave it out; got {value!r}")
-    return value is not None
+def completion_logprobs(body: Mapping) -> int | None:
+    """Completions take logprobs as the number of alternatives (0: the chosen token's only)."""
+    return _integer(body, "logprobs", 0, MAX_TOP_LOGPROBS)
 
 
-def _content(message: Mapping, index: int) -> str:
+def _content(message: Mapping, param: str, allow_null: bool = False) -> str:
     content = message.get("content")
+    if content is None and allow_null:
+        return ""
     if isinstance(content, str):
         return content
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
                                          and isinstance(p.get("text"), str) for p in content):
         return "".join(p["text"] for p in content)
-    raise bad(f"messages[{index}].content", "expected a string or a list of "
-              f"{{\"type\": \"text\", \"text\": ...}} parts, got {content!r:.100}")
+    raise bad(param, "expected a string or a list of {\"type\": \"text\", \"text\": ...} parts, "
+              f"got {content!r:.100}")
 
 
-def chat_messages(body: Mapping) -> list[dict[str, str]]:
-    """The messages as {role, content} strings for the chat template; a developer message is
-    rendered as a system message (what it is to a model without a separate developer role)."""
+def _tool_calls(calls: Any, param: str) -> list[dict]:
+    """An assistant message's tool_calls for the chat template."""
+    ok = isinstance(calls, list) and all(
+        isinstance(c, dict) and isinstance(c.get("function"), dict)
+        and isinstance(c["function"].get("name"), str)
+        and isinstance(c["function"].get("arguments"), (str, dict)) for c in calls)
+    if not ok:
+        raise bad(param, "expected a list of {\"id\", \"type\": \"function\", \"function\": "
+                  f"{{\"name\", \"arguments\"}}}} objects, got {calls!r:.100}")
+    return [{"id": c.get("id"), "type": "function",
+             "function": {"name": c["function"]["name"],
+                          "arguments": template_arguments(c["function"]["arguments"])}}
+            for c in calls]
+
+
+def _message(message: Any, i: int) -> dict:
+    role = message.get("role") if isinstance(message, dict) else None
+    if role not in CHAT_ROLES:
+        raise bad(f"messages[{i}].role", f"must be one of {', '.join(CHAT_ROLES)}; got "
+                  f"{(role if isinstance(message, dict) else message)!r:.100}")
+    param = f"messages[{i}].content"
+    if role == "assistant":
+        out = {"role": role, "content": _content(message, param, allow_null=True)}
+        if message.get("tool_calls"):
+            out["tool_calls"] = _tool_calls(message["tool_calls"], f"messages[{i}].tool_calls")
+        return out
+    out = {"role": "system" if role == "developer" else role,
+           "content": _content(message, param)}
+    if role == "tool":
+        call_id = message.get("tool_call_id")
+        if not isinstance(call_id, str):
+            raise bad(f"messages[{i}].tool_call_id", f"a tool message needs the id of the "
+                      f"call it answers, got {call_id!r:.100}")
+        out["tool_call_id"] = call_id
+    if isinstance(message.get("name"), str):
+        out["name"] = message["name"]
+    return out
+
+
+def chat_messages(body: Mapping) -> list[dict]:
+    """The messages as the chat template takes them; a developer message is rendered as a
+    system message (what it is to a model without a separate developer role), a null
+    assistant content as "" (templates concatenate it), tool-call arguments as objects."""
     messages = body["messages"]
     if not isinstance(messages, list) or not messages:
         raise bad("messages", "expected a non-empty list of {\"role\", \"content\"} objects")
-    out = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or message.get("role") not in CHAT_ROLES:
-            role = message.get("role") if isinstance(message, dict) else message
-            raise bad(f"messages[{i}].role", f"must be one of {', '.join(CHAT_ROLES)}; got "
-                      f"{role!r:.100}")
-        role = "system" if message["role"] == "developer" else message["role"]
-        out.append({"role": role, "content": _content(message, i)})
-    return out
+    return [_message(m, i) for i, m in enumerate(messages)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Tools:
+    """A request's tools (OpenAI function definitions) and how the model may use them."""
+
+    tools: list[dict]
+    choice: str | dict  # "auto", "required" or {"type": "function", "function": {"name"}}
+    parallel: bool
+
+
+def _tool(tool: Any, i: int) -> dict:
+    fn = tool.get("function") if isinstance(tool, dict) else None
+    if (not isinstance(fn, dict) or tool.get("type", "function") != "function"
+            or not isinstance(fn.get("name"), str) or not fn["name"]
+            or not isinstance(fn.get("parameters", {}), dict)
+            or not isinstance(fn.get("description", ""), str)):
+        raise bad(f"tools[{i}]", "expected {\"type\": \"function\", \"function\": {\"name\", "
+                  f"\"description\", \"parameters\"}}}}, got {tool!r:.100}")
+    return {"type": "function", "function": fn}
+
+
+def chat_tools(body: Mapping) -> Tools | None:
+    """The tools the model is offered, or None (no tools, or tool_choice "none")."""
+    tools = body.get("tools") or []
+    if not isinstance(tools, list):
+        raise bad("tools", f"expected a list of function tools, got {tools!r:.100}")
+    tools = [_tool(t, i) for i, t in enumerate(tools)]
+    choice = body.get("tool_choice")
+    choice = ("auto" if tools else "none") if choice is None else choice
+    names = [t["function"]["name"] for t in tools]
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        if choice.get("type", "function") != "function" or not isinstance(fn, dict) \
+                or fn.get("name") not in names:
+            raise bad("tool_choice", f"a named tool_choice must name one of the tools "
+                      f"({', '.join(names) or 'none given'}); got {choice!r:.100}")
+    elif choice not in ("none", "auto", "required"):
+        raise bad("tool_choice", f"expected \"none\", \"auto\", \"required\" or "
+                  f"{{\"type\": \"function\", \"function\": {{\"name\"}}}}; got {choice!r:.100}")
+    if choice != "none" and not tools:
+        raise bad("tool_choice", f"{choice!r:.100} needs tools")
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise bad("parallel_tool_calls", f"expected true or false, got {parallel!r:.100}")
+    return None if choice == "none" else Tools(tools, choice, parallel is not False)
 
 
 def completion_prompts(body: Mapping, vocab_size: int) -> list[str | list[int]]:
@@ -206,59 +343,3 @@ def completion_prompts(body: Mapping, vocab_size: int) -> list[str | list[int]]:
         if isinstance(p, list) and not all(0 <= t < vocab_size for t in p):
             raise bad("prompt", f"token ids must be in [0, {vocab_size})")
     return prompts
-
-
-@dataclass(frozen=True)
-class Choice:
-    """One completion: its text (stop sequence excluded), tokens, their text and log-probs."""
-    text: str
-    token_ids: tuple[int, ...]
-    tokens: tuple[str, ...]
-    logprobs: tuple[float, ...]
-    text_offsets: tuple[int, ...]
-    finish_reason: str
-
-
-def usage(prompt_tokens: int, choices: Sequence[Choice]) -> dict:
-    completion = sum(len(c.token_ids) for c in choices)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion}
-
-
-def _chat_logprobs(choice: Choice) -> dict:
-    return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode("utf-8")),
-                         "top_logprobs": []} for t, lp in zip(choice.tokens, choice.logprobs)],
-            "refusal": None}
-
-
-def _completion_logprobs(choice: Choice) -> dict:
-    return {"tokens": list(choice.tokens), "token_logprobs": list(choice.logprobs),
-            "top_logprobs": [{t: lp} for t, lp in zip(choice.tokens, choice.logprobs)],
-            "text_offset": list(choice.text_offsets)}
-
-
-def chat_response(model: str, choices: Sequence[Choice], prompt_tokens: int,
-                  logprobs: bool) -> dict:
-    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
-            "created": int(time.time()), "model": model, "system_fingerprint": None,
-            "choices": [{"index": i, "finish_reason": c.finish_reason,
-                         "message": {"role": "assistant", "content": c.text, "refusal": None},
-                         "logprobs": _chat_logprobs(c) if logprobs else None}
-                        for i, c in enumerate(choices)],
-            "usage": usage(prompt_tokens, choices)}
-
-
-def completion_response(model: str, choices: Sequence[Choice], prompt_tokens: int,
-                        logprobs: bool) -> dict:
-    """Choices in the API's order: prompt by prompt, n each."""
-    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
-            "created": int(time.time()), "model": model, "system_fingerprint": None,
-            "choices": [{"index": i, "text": c.text, "finish_reason": c.finish_reason,
-                         "logprobs": _completion_logprobs(c) if logprobs else None}
-                        for i, c in enumerate(choices)],
-            "usage": usage(prompt_tokens, choices)}
-
-
-def models_response(model: str, created: int) -> dict:
-    return {"object": "list",
-            "data": [{"id": model, "object": "model", "created": created, "owned_by": "jaxrl"}]}

@@ -11,7 +11,8 @@ prefix of later ones (one that rewrites past turns) is refused by name.
 
 Batches: the index stream runs through shuffled epochs; each window of `length_window`
 batches is sorted by length and cut into batches, whose order is then shuffled, so rows of a
-batch have similar lengths and are padded to the same power-of-two width. Everything follows
+batch have similar lengths and are padded to the same width, four widths per octave
+(jaxrl.sampling.buckets.quarter_bucket). Everything follows
 from (seed, batches drawn), which is the iterator's whole state for checkpoints.
 """
 from __future__ import annotations
@@ -24,7 +25,7 @@ import numpy as np
 
 from jaxrl.config import ConfigError
 from jaxrl.hf.tokenizer import chat_prompt_text, text_ids
-from jaxrl.sampling.buckets import bucket
+from jaxrl.sampling.buckets import quarter_bucket
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -151,8 +152,9 @@ class BatchStream:
 
 
 def pad_rows(rows: Sequence[tuple[np.ndarray, np.ndarray]], pad_id: int = 0):
-    """tokens, attention mask, loss mask [B, W] (numpy), right-padded to a power-of-two W."""
-    width = bucket(max(len(ids) for ids, _ in rows))
+    """tokens, attention mask, loss mask [B, W] (numpy), right-padded to W of
+    jaxrl.sampling.buckets.quarter_bucket (four widths per octave)."""
+    width = quarter_bucket(max(len(ids) for ids, _ in rows))
     tokens = np.full((len(rows), width), pad_id, np.int32)
     attn, loss = np.zeros((len(rows), width), bool), np.zeros((len(rows), width), bool)
     for r, (ids, mask) in enumerate(rows):

@@ -30,7 +30,7 @@ def _options(cfg: Config) -> SftOptions:
     if cfg.sft.batch_size % micro:
         raise ConfigError(f"config key 'optim.micro_batch_size' = {micro} must divide "
                           f"'sft.batch_size' = {cfg.sft.batch_size}")
-    return SftOptions(micro_batches=cfg.sft.batch_size // micro)
+    return SftOptions(micro_batches=cfg.sft.batch_size // micro, seed=cfg.run.seed)
 
 
 def _rows(model: Pretrained, cfg: Config, key: str, log: Callable[[str], None]):

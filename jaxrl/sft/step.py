@@ -5,7 +5,8 @@ jaxrl/rl/train_step.py).
 Glossary: B rows, T tokens per row (right-padded), M micro-batches of B / M rows.
 
 Each loss token is weighted 1 / (loss tokens of the whole batch) before the batch is split,
-so summing the micro-batches' losses and gradients gives the whole batch's exactly.
+so summing the micro-batches' losses and gradients gives the whole batch's exactly (without
+LoRA dropout, whose masks are drawn per micro-batch: `dropout_key` in train_step.py).
 """
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from flax import struct
 from jaxrl.model.families import ModelSpec
 from jaxrl.model.transformer import positions_from_mask
 from jaxrl.rl.logprobs import token_logprobs
-from jaxrl.rl.train_step import TrainState, apply_gradients, jit_step, sum_over_micro_batches
+from jaxrl.rl.train_step import (TrainState, apply_gradients, dropout_key, jit_step, micro_key,
+                                 sum_over_micro_batches)
 
 
 @struct.dataclass
@@ -33,6 +35,7 @@ class SftBatch:
 class SftOptions:
     micro_batches: int = 1
     logprob_chunk: int = 128
+    seed: int = 0  # of the LoRA dropout keys (run.seed)
 
 
 def loss_weights(batch: SftBatch) -> jax.Array:
@@ -42,11 +45,12 @@ def loss_weights(batch: SftBatch) -> jax.Array:
 
 
 def sft_loss(lora, params, spec: ModelSpec, batch: SftBatch, weights: jax.Array,
-             opts: SftOptions, remat: str = "full"):
-    """(sum of -log p(target) * weight, {"tokens": loss tokens}) of a (micro-)batch."""
+             opts: SftOptions, remat: str = "full", rng: jax.Array | None = None):
+    """(sum of -log p(target) * weight, {"tokens": loss tokens}) of a (micro-)batch; rng: the
+    LoRA dropout key (None: no dropout, as in evaluation)."""
     logp, _ = token_logprobs(params, spec, batch.tokens, positions_from_mask(batch.attn_mask),
                              batch.attn_mask, lora, start=1, chunk=opts.logprob_chunk,
-                             remat=remat)  # [B, T - 1]
+                             remat=remat, rng=rng)  # [B, T - 1]
     return -jnp.sum(logp * weights), {"tokens": jnp.sum(weights > 0).astype(jnp.float32)}
 
 
@@ -58,8 +62,10 @@ def sft_step(state: TrainState, params, batch: SftBatch, *, spec: ModelSpec,
                          f"{opts.micro_batches} micro-batches; set optim.micro_batch_size to a "
                          "divisor of sft.batch_size")
     grad_fn = jax.value_and_grad(sft_loss, has_aux=True)
+    rng = dropout_key(state.lora, opts.seed, state)
     (loss, metrics), grads = sum_over_micro_batches(
-        lambda mb, w: grad_fn(state.lora, params, spec, mb, w, opts),
+        lambda index, mb, w: grad_fn(state.lora, params, spec, mb, w, opts,
+                                     rng=micro_key(rng, index)),
         (batch, loss_weights(batch)), opts.micro_batches)
     new_state, finite = apply_gradients(state, optimizer, loss, grads)
     return new_state, {"loss": loss, "grad_norm": optax.global_norm(grads),

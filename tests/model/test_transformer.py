@@ -68,3 +68,30 @@ def test_cache_prefill_then_decode_equals_full_forward():
         outs.append(logits)
     assert cache.index.tolist() == [10, 10]
     np.testing.assert_allclose(np.concatenate(outs, 1)[mask], np.asarray(full)[mask], atol=1e-5)
+
+
+def _scans(jaxpr):
+    """Every scan equation of a closed jaxpr, nested ones included."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scan":
+            yield eqn
+        for sub in jax.core.jaxprs_in_params(eqn.params):
+            yield from _scans(sub)
+
+
+def test_layer_scan_reads_the_cache_without_carrying_it():
+    # Carrying the stacked cache [L, B, K, S, D] through the layer scan makes every decode
+    # step pass all of it in and out of the loop; the scan reads each layer's slice as an
+    # input and returns only the new tokens' keys and values [L, B, T, K, D].
+    spec = _spec("qwen3")
+    params = init_params(spec, jax.random.PRNGKey(0))
+    cache = init_cache(spec, batch=2, max_len=16)
+    tokens, pos = jnp.zeros((2, 1), jnp.int32), jnp.zeros((2, 1), jnp.int32)
+    jaxpr = jax.make_jaxpr(lambda c: forward(params, tokens, pos, spec, cache=c))(cache).jaxpr
+    (scan,) = _scans(jaxpr)
+    n_carry, n_consts = scan.params["num_carry"], scan.params["num_consts"]
+    carried = [v.aval.shape for v in scan.invars[n_consts:n_consts + n_carry]]
+    scanned = [v.aval.shape for v in scan.invars[n_consts + n_carry:]]
+    new = [v.aval.shape for v in scan.outvars[n_carry:]]
+    assert cache.k.shape not in carried and scanned.count(cache.k.shape) == 2
+    assert new == [(spec.num_layers, 2, 1, spec.num_kv_heads, spec.head_dim)] * 2

@@ -304,6 +304,33 @@ def test_jax_dequantize_equals_numpy_bit_for_bit(kwargs, dtype):
 
 
 @pytest.mark.accelerator
+@pytest.mark.parametrize("n_out", [512, 64, 8, 320])  # O = 2 * 256; 256 = 4 * O, 32 * O; neither
+def test_double_quant_scales_follow_the_row_major_group_numbering(n_out):
+    w = rng_weights((2, 128, n_out), seed=13) * np.exp(
+        np.random.default_rng(14).normal(size=(2, 1, n_out))).astype(np.float32)
+    q = quantize_np(w, double_quant=True)
+    # Scale (n, o) of a [2, O] grid is number n * O + o, in group (n * O + o) // 256.
+    group = (np.arange(2)[:, None] * n_out + np.arange(n_out)[None, :]) // 256
+    for layer in range(2):
+        scales = ((q.scales[layer].astype(np.float32) - 128) * q.scale_scales[layer][group]
+                  + q.scale_offset[layer])
+        dense = NF4_CODEBOOK[unpack(q.codes[layer])] * np.repeat(scales, 64, axis=0)
+        np.testing.assert_array_equal(dequantize_np(q)[layer], dense)
+        np.testing.assert_array_equal(np.asarray(dequantize(q))[layer], dense)
+
+
+@pytest.mark.accelerator
+@pytest.mark.parametrize("kwargs", [dict(), dict(double_quant=True), dict(mode="int4")])
+@pytest.mark.parametrize("n_out", [512, 64])
+def test_dequantize_has_no_gather_to_keep_it_fusable_into_the_matmul(kwargs, n_out):
+    # A table lookup (gather) cannot fuse into the dot that consumes the kernel: the dense
+    # layer would be written to memory and read back, about 4.5 bytes per parameter a step.
+    q = quantize_np(rng_weights((256, n_out), seed=15), **kwargs)
+    hlo = jax.jit(lambda q: dequantize(q, jnp.bfloat16)).lower(q).as_text()
+    assert "gather" not in hlo and "select" in hlo
+
+
+@pytest.mark.accelerator
 @pytest.mark.parametrize("kwargs", CONFIGS)
 def test_dequantize_under_jit_and_scan(kwargs):
     w = rng_weights((3, 256, 272), seed=11)  # 1088 scales: a partial last group of 256

@@ -51,7 +51,9 @@ def test_forward_on_nf4_equals_forward_on_its_dequantized_weights(tiny_dir):
                                    qparams, is_leaf=lambda x: isinstance(x, QTensor))
     tokens, mask = padded_batch(length=16)
     got, want = _logits(spec, qparams, tokens, mask), _logits(spec, dense, tokens, mask)
-    np.testing.assert_allclose(got[mask], want[mask], atol=1e-6, rtol=0)
+    # The quantized matmul sums the same float32 products per scale block (jaxrl/quant/
+    # qmatmul.py), so the logits agree to float32 rounding (3.5e-6 here), not bit for bit.
+    np.testing.assert_allclose(got[mask], want[mask], atol=1e-5, rtol=0)
     _, fp = load_params(tiny_dir)
     full = _logits(spec, fp, tokens, mask)
     assert np.abs(got - full)[mask].max() > 1e-3  # quantization did change the weights
@@ -151,7 +153,11 @@ def test_train_step_with_remat_keeps_dequantized_layers_out_of_residuals(remat):
 
     with_remat = _temp_bytes(grad_fn(remat), lora, params, tokens)
     without = _temp_bytes(grad_fn("none"), lora, params, tokens)
-    assert with_remat < 2.5 * layer, (with_remat, layer)
+    # dots keeps one float32 output per projection and layer: q 1024 + k, v 256 each + o 1024 +
+    # gate, up 2816 each + down 1024 = 9216 floats per token, x 256 tokens x 12 layers
+    # (113 MB, 2.5 layers); neither the two halves of the NF4 matmul nor the LoRA products
+    saved = {"dots": 9216 * B * T * 4 * 12, "full": 0}[remat]
+    assert with_remat < saved + 2.5 * layer, (with_remat, saved, layer)
     # the measurement can see the failure: without remat every dequantized layer is saved
     assert without > 8 * layer, (without, layer)
 

@@ -9,8 +9,9 @@ from jaxrl.lora.lora import init_lora
 from jaxrl.model.families import spec_from_hf_config
 from jaxrl.model.params import init_params
 from jaxrl.rl.losses import token_weights
-from jaxrl.rl.train_step import (Batch, StepOptions, accumulate_grads, compile_train_step,
-                                 init_train_state, make_optimizer)
+from jaxrl.rl.logprobs import token_logprobs
+from jaxrl.rl.train_step import (Batch, StepOptions, accumulate_grads, compile_reference,
+                                 compile_train_step, init_train_state, make_optimizer)
 from tests.tiny_models import hf_config
 
 P, N, B = 6, 5, 8
@@ -36,15 +37,18 @@ def setup():
     return spec, params, batch
 
 
-def _run(setup, micro_batches=1, batch=None, grpo=GrpoConfig(beta=0.04), lora_b=0.1):
+def _run(setup, micro_batches=1, batch=None, grpo=GrpoConfig(beta=0.04), lora_b=0.1,
+         dropout=0.0, updates_before=0):
     spec, params, default = setup
-    lora = init_lora(spec, jax.random.PRNGKey(1), rank=4, alpha=8)
+    lora = init_lora(spec, jax.random.PRNGKey(1), rank=4, alpha=8, dropout=dropout)
     lora = lora.replace(weights=jax.tree_util.tree_map(
         lambda x: x + lora_b if x.ndim == 3 and x.shape[1] == 4 else x, lora.weights))
     optimizer, _ = make_optimizer(OptimConfig(lr=1e-2, max_grad_norm=1.0), total_steps=10)
     opts = StepOptions(grpo=grpo, temperature=1.0, max_new_tokens=N, micro_batches=micro_batches)
     step = compile_train_step(spec, optimizer, opts)
-    state, metrics = step(init_train_state(lora, optimizer), params, batch or default)
+    state = init_train_state(lora, optimizer)
+    state = state.replace(step=state.step + updates_before)
+    state, metrics = step(state, params, batch or default)
     return state, metrics, step
 
 
@@ -96,3 +100,51 @@ def test_beta_zero_needs_no_reference(setup):
     state, metrics, _ = _run(setup, batch=batch.replace(ref_logp=None),
                              grpo=GrpoConfig(beta=0.0))
     assert "kl" not in metrics and int(state.step) == 1
+
+
+def test_reference_pass_is_micro_batched_like_the_update(setup):
+    spec, params, batch = setup
+    args = (params, batch.tokens, batch.positions, batch.attn_mask)
+    whole = token_logprobs(params, spec, batch.tokens, batch.positions, batch.attn_mask, None,
+                           start=P)[0]
+    programs = {}
+    for m in (1, 4):
+        ref = compile_reference(spec, StepOptions(GrpoConfig(), 1.0, N, micro_batches=m))
+        # the same rows in pieces: float32 sums in another order, ~5e-7 relative measured
+        np.testing.assert_allclose(ref(*args), whole, rtol=1e-6)
+        programs[m] = ref.lower(*args).compile().memory_analysis().temp_size_in_bytes
+    # one micro-batch's activations at a time: fewer rows per forward, less temporary memory
+    assert programs[4] < programs[1], programs
+    with pytest.raises(ValueError, match="micro_batch_size"):
+        compile_reference(spec, StepOptions(GrpoConfig(), 1.0, N, micro_batches=3))(*args)
+
+
+VARIANTS = GrpoConfig(beta=0.04, importance_sampling="sequence", epsilon_low=0.1,
+                      epsilon_high=0.1, kl_ratio_weighted=True, delta=1.5,
+                      top_entropy_quantile=0.5)
+
+
+@pytest.mark.slow
+def test_variants_micro_batched_equal_whole_batch(setup):
+    # the entropy selection is taken over the whole batch before it is split, and the
+    # per-row metric (seq_clip_frac) is combined by rows, the others by tokens
+    whole, m1, _ = _run(setup, 1, grpo=VARIANTS)
+    split, m2, _ = _run(setup, 4, grpo=VARIANTS)
+    for key in ("loss", "grad_norm", "entropy", "kl", "kl_weighted", "clip_frac",
+                "seq_clip_frac", "delta_clip_frac", "entropy_selected_frac", "ratio_mean"):
+        np.testing.assert_allclose(m1[key], m2[key], rtol=1e-5, atol=1e-7, err_msg=key)
+    assert 0 < float(m1["entropy_selected_frac"]) < 1 and float(m1["grad_norm"]) > 0
+    for a, b in zip(jax.tree_util.tree_leaves(whole.lora), jax.tree_util.tree_leaves(split.lora)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_lora_dropout_applies_in_training_with_a_key_per_update(setup):
+    _, plain, _ = _run(setup)
+    _, dropped, _ = _run(setup, dropout=0.5)
+    _, again, _ = _run(setup, dropout=0.5)
+    _, later, _ = _run(setup, dropout=0.5, updates_before=1)
+    assert not np.isclose(dropped["grad_norm"], plain["grad_norm"], rtol=1e-3)  # it is applied
+    assert float(dropped["grad_norm"]) == float(again["grad_norm"])  # from the step's own key
+    assert not np.isclose(later["grad_norm"], dropped["grad_norm"], rtol=1e-3)  # a new one
+

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from jaxrl.sampling.buckets import bucket, left_pad
+from jaxrl.sampling.buckets import bucket, left_pad, quarter_bucket
 from jaxrl.sampling.stop import cut_at_stop
 
 
@@ -12,6 +12,15 @@ def test_buckets_are_powers_of_two_from_16():
     assert len({bucket(n) for n in range(1, 1025)}) == 7
     with pytest.raises(ValueError, match=">= 1"):
         bucket(0)
+
+
+def test_quarter_buckets_are_four_per_octave():
+    # 600 lies in (512, 1024]: steps of 1024 / 8 = 128, so 640; 17 lies in (16, 32]: steps of 4
+    assert [quarter_bucket(n) for n in (1, 16, 17, 100, 513, 600, 1000, 1025)] == [
+        16, 16, 20, 112, 640, 640, 1024, 1280]
+    widths = {quarter_bucket(n) for n in range(1, 1025)}
+    assert len(widths) == 1 + 6 * 4 and all(w >= 16 for w in widths)
+    assert all(quarter_bucket(n) < 1.25 * n for n in range(17, 1025))
 
 
 def test_left_pad_right_aligns_each_prompt():

@@ -156,6 +156,18 @@ def test_nf4_with_lora_decodes_like_its_dequantized_weights(models, tmp_path):
     np.testing.assert_allclose(q.logprobs[q.mask], want[q.mask], atol=1e-5)
 
 
+def test_lora_dropout_never_acts_while_sampling(models):
+    # dropout is a training regularizer: the rollout's log-probs must be the adapter's own
+    _, spec, params = models["qwen3"]
+    lora = _random_lora(spec)
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=16)
+    plain = sample(params, spec, PROMPTS, jax.random.PRNGKey(4), cfg, lora=lora)
+    dropped = sample(params, spec, PROMPTS, jax.random.PRNGKey(4), cfg,
+                     lora=dataclasses.replace(lora, dropout=0.5))
+    np.testing.assert_array_equal(plain.tokens, dropped.tokens)
+    np.testing.assert_array_equal(plain.logprobs, dropped.logprobs)
+
+
 def test_compiles_one_program_per_bucket(models):
     """sample's engine programs are keyed by shape buckets only: new lengths within the buckets
     and new settings reuse them."""

@@ -12,8 +12,9 @@ from transformers.generation.logits_process import (MinPLogitsWarper, TopKLogits
 
 from jaxrl.config import SamplingConfig
 from jaxrl.sampling import sampling_fns
-from jaxrl.sampling.sampling_fns import (Decoding, RowSettings, categorical, filter_logits,
-                                         greedy, min_p_mask, next_token, top_k_mask, top_p_mask)
+from jaxrl.sampling.sampling_fns import (Decoding, History, RowSettings, categorical,
+                                         filter_logits, greedy, min_p_mask, next_token,
+                                         top_k_mask, top_p_mask)
 
 # probabilities 0.4, 0.3, 0.2, 0.05, 0.05 (ranks 0..4), shuffled
 PROBS = np.array([0.05, 0.3, 0.05, 0.4, 0.2])
@@ -89,12 +90,18 @@ def test_greedy_takes_first_index_of_a_tie():
                                   [1, 0])
 
 
+def _next(keys, logits, rows):
+    """(tokens, log-probs) of next_token with no history."""
+    picked = next_token(keys, logits, RowSettings.of(rows), History.empty(*logits.shape))
+    return picked.token, picked.logprob
+
+
 def _draws(logits_row, n, seed, decoding=None):
     logits = jnp.broadcast_to(jnp.asarray(logits_row, jnp.float32), (n, len(logits_row)))
     keys = jax.random.split(jax.random.PRNGKey(seed), n)
     if decoding is None:
         return np.asarray(categorical(keys, logits))
-    return np.asarray(next_token(keys, logits, RowSettings.of([decoding] * n))[0])
+    return np.asarray(_next(keys, logits, [decoding] * n)[0])
 
 
 @pytest.mark.parametrize("settings", [dict(temperature=1.0), dict(temperature=0.7, top_k=4),
@@ -137,10 +144,10 @@ def test_same_seed_same_draws_and_different_seed_different_draws():
 def test_logprob_is_of_the_tempered_unfiltered_distribution():
     logits = jnp.asarray(np.random.RandomState(2).randn(4, 64), jnp.float32)
     keys = jax.random.split(jax.random.PRNGKey(0), 4)
-    tok, lp = next_token(keys, logits, RowSettings.of([Decoding(temperature=0.5, top_k=3)] * 4))
+    tok, lp = _next(keys, logits, [Decoding(temperature=0.5, top_k=3)] * 4)
     want = jax.nn.log_softmax(logits / 0.5)[jnp.arange(4), tok]
     np.testing.assert_allclose(lp, want, atol=1e-6)
-    tok, lp = next_token(keys, logits, RowSettings.of([Decoding(temperature=0.0)] * 4))
+    tok, lp = _next(keys, logits, [Decoding(temperature=0.0)] * 4)
     np.testing.assert_array_equal(tok, np.argmax(logits, -1))
     np.testing.assert_allclose(lp, jax.nn.log_softmax(logits)[jnp.arange(4), tok], atol=1e-6)
 
@@ -160,9 +167,9 @@ def test_each_row_draws_as_if_alone_under_its_own_settings():
     rows = [Decoding(0.0), Decoding(0.7, top_k=300), Decoding(1.2, top_p=0.8),
             Decoding(0.9, min_p=0.1), Decoding(1.0)]
     keys = jax.random.split(jax.random.PRNGKey(9), 5)
-    tok, lp = next_token(keys, logits, RowSettings.of(rows))
+    tok, lp = _next(keys, logits, rows)
     for i, d in enumerate(rows):
-        alone_tok, alone_lp = next_token(keys[i:i + 1], logits[i:i + 1], RowSettings.of([d]))
+        alone_tok, alone_lp = _next(keys[i:i + 1], logits[i:i + 1], [d])
         assert int(tok[i]) == int(alone_tok[0])
         np.testing.assert_allclose(lp[i], alone_lp[0], atol=1e-6)
     assert int(tok[0]) == int(np.argmax(logits[0]))

@@ -1,8 +1,6 @@
 """A tiny random llama with the default model's tokenizer and chat template (real EOS ids),
 loaded once per module."""
-
 import pytest
-
 
 
 @pytest.fixture(scope="module")

@@ -35,7 +35,7 @@ def setup():
 @functools.partial(jax.jit, static_argnums=(0, 4))
 def _grads(spec, params, lora, batch, micro=1):
     fn = jax.value_and_grad(sft_loss, has_aux=True)
-    return sum_over_micro_batches(lambda mb, w: fn(lora, params, spec, mb, w, SftOptions()),
+    return sum_over_micro_batches(lambda i, mb, w: fn(lora, params, spec, mb, w, SftOptions()),
                                   (batch, loss_weights(batch)), micro)
 
 
@@ -79,3 +79,24 @@ def test_an_nf4_base_trains_as_its_dequantized_weights(setup):
     np.testing.assert_allclose(float(loss), float(dense_loss), rtol=1e-5)
     for a, b in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(dense_grads)):
         np.testing.assert_allclose(a, b, atol=1e-5 * float(jnp.abs(b).max()))
+
+
+@pytest.mark.slow
+def test_lora_dropout_applies_with_a_key_per_update(setup):
+    from jaxrl.config import OptimConfig
+    from jaxrl.rl.train_step import init_train_state, make_optimizer
+    from jaxrl.sft.step import compile_sft_step
+
+    spec, params, lora, batch = setup
+    optimizer, _ = make_optimizer(OptimConfig(lr=1e-3), total_steps=4)
+
+    def grad_norm(dropout, updates_before=0):
+        fresh = jax.tree_util.tree_map(jnp.copy, lora)  # the step donates its state
+        state = init_train_state(fresh.replace(dropout=dropout), optimizer)
+        state = state.replace(step=state.step + updates_before)
+        step = compile_sft_step(spec, optimizer, SftOptions(seed=3))
+        return float(step(state, params, batch)[1]["grad_norm"])
+
+    plain, dropped = grad_norm(0.0), grad_norm(0.5)
+    assert not np.isclose(plain, dropped, rtol=1e-3)  # applied, not ignored
+    assert grad_norm(0.5) == dropped and not np.isclose(grad_norm(0.5, 1), dropped, rtol=1e-3)

@@ -1,6 +1,8 @@
 """Two GRPO steps on the tiny model, the way `jaxrl train` runs them on a mesh: each process
 samples, scores and advantages its own rows. Run as a module it is one process of a
-multi-process run (`python -m tests.sharding.grpo_run ID COUNT PORT OUT.json`, 4 CPU devices)."""
+multi-process run over 4 CPU devices that runs the steps once per mesh given as
+DATA,FSDP,TENSOR (`python -m tests.sharding.grpo_run ID COUNT PORT OUT.json MESH ...`) and
+writes {mesh: result}."""
 from __future__ import annotations
 
 import json
@@ -77,15 +79,21 @@ def grpo_steps(rules: MeshRules | None, steps: int = 2) -> dict:
     return result
 
 
-def main(process_id: int, count: int, port: int, out: str) -> None:
+def mesh_rules(mesh: str) -> MeshRules:
+    """The rules of mesh "DATA,FSDP,TENSOR" over every device."""
+    data, fsdp, tensor = (int(n) for n in mesh.split(","))
+    return MeshRules(make_mesh(MeshConfig(data=data, fsdp=fsdp, tensor=tensor)))
+
+
+def main(process_id: int, count: int, port: int, out: str, meshes: list[str]) -> None:
     os.environ.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
                       JAX_NUM_PROCESSES=str(count), JAX_PROCESS_ID=str(process_id))
     distributed.initialize_from_env()
-    result = grpo_steps(MeshRules(make_mesh(MeshConfig())))
+    results = {mesh: grpo_steps(mesh_rules(mesh)) for mesh in meshes}
     if jax.process_index() == 0:
         with open(out, "w") as f:
-            json.dump(result, f)
+            json.dump(results, f)
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5:])

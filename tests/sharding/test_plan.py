@@ -1,5 +1,5 @@
-"""`jaxrl plan`: compile the sampler and the GRPO step from abstract shapes and report memory;
-with libtpu, for a TPU slice (skipped without it: pip install -e '.[tpu]')."""
+"""`jaxrl plan`: compile the sampler, reference pass and GRPO step from abstract shapes and
+report memory; with libtpu, for a TPU slice (skipped without it: pip install -e '.[tpu]')."""
 import importlib.util
 import json
 import os
@@ -37,15 +37,18 @@ def test_report_sums_peak_and_what_stays_resident():
             ProgramMemory("grpo step", 3 * GIB, GIB, GIB, 2 * GIB, 0)]
     assert (rows[0].peak, rows[0].need, rows[1].peak) == (4 * GIB, 5 * GIB, 5 * GIB)
     text, fits = report(rows, 5 * GIB)
-    assert fits and "needs 5.00 GiB of 5.00 GiB: fits" in text
+    assert fits and "needs 5.00 GiB of 5.00 GiB: fits, 0.00 GiB to spare" in text
     assert report(rows, 5 * GIB - 1)[1] is False
+    text, fits = report(rows, 6 * GIB, "0.75 x 8.00 GiB, XLA's default")
+    assert "needs 5.00 GiB of 6.00 GiB (0.75 x 8.00 GiB, XLA's default): fits, 1.00 GiB to " \
+        "spare" in text
 
 
 def test_plan_on_local_devices_exits_1_when_it_does_not_fit(config, capsys):
     assert main(["plan", "--config", str(config), "--device-memory", "0.0001"]) == 1
     out, err = capsys.readouterr()
-    assert "mesh {'data': 2, 'fsdp': 2, 'tensor': 2}" in out
-    assert "| sampler |" in out and "DOES NOT FIT" in out
+    assert "mesh {'data': 2, 'fsdp': 2, 'tensor': 2}" in out and "hosts: one host" in out
+    assert "| sampler |" in out and "| reference |" in out and "DOES NOT FIT" in out
     # optim.remat auto: no policy fits 0.0001 GiB, so the step is planned with full remat
     assert "| grpo step (remat full) |" in out
     assert "does not fit the device memory" in err

@@ -1,0 +1,63 @@
+"""x @ W for a quantized kernel W [I, O] (one layer's), without the dense [I, O] kernel.
+
+Glossary: I input dim, O output dim, Bk block size, N = I / Bk scale blocks, K = Bk / 2 packed
+rows per block, J = 2 nibbles per byte.
+
+Byte (i, o) packs the codes of rows 2i (low nibble) and 2i + 1 (high nibble). Unpacking into
+an [I, O] kernel interleaves the nibbles, a relayout that an accelerator's compiler does not
+fuse into the matmul; nor does it fuse a block scale broadcast along the contracted dim. So
+both forms here keep the packed order, level[n, j, k, o] = the codebook value of nibble j of
+byte (n*K + k, o) (`select_levels`: selects, no gather), and regroup the inputs to match
+(x[..., n*Bk + 2k + j] as [..., n, k, j], a view of x, not a copy of W):
+
+  block form (memory_bound, e.g. a decode step): one matmul per scale block, scaled after it:
+      y[r, o] = sum_n scale[n, o] * sum_{j, k} x[r, n*Bk + 2k + j] * level[n, j, k, o].
+      Only selects sit between the packed bytes and the matmul, so the levels never need to
+      reach device memory (the TPU compiler keeps them on chip) and a step reads 0.5 bytes per
+      weight plus the scales. The levels are in x's dtype (bfloat16 rounds them, where a dense
+      bfloat16 kernel rounds level * scale).
+  dense form (prefill, training): the even rows' kernel level * scale in x's dtype, in the
+      packed order, times the even inputs, plus the same for the odd rows. The kernel is
+      written and read once per call, which many tokens amortize, and the matmul runs at full
+      rate, where the block form's Bk-long contractions would use the matrix units at a
+      fraction of it (and, where the backend does not fuse the block sums, hold [..., N, O]
+      partial products).
+
+Both forms give each output the same products as x @ dequantize(W) in x's dtype (the block
+form up to its levels' rounding), summed in another order (float32), so they agree with it to
+float32 rounding.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl.quant.nf4 import CODEBOOKS, QTensor, dense_scales, select_levels
+
+def _levels(q: QTensor, nibble: int, dtype) -> jax.Array:
+    """level [N, K, O] of nibble `nibble` (0 low, 1 high) of each packed byte, in `dtype`."""
+    half_in, n_out = q.codes.shape
+    k = q.block_size // 2
+    packed = q.codes.reshape(half_in // k, k, n_out)  # [N, K, O]
+    codes = packed & 0xF if nibble == 0 else packed >> 4
+    return select_levels(codes, CODEBOOKS[q.mode]).astype(dtype)
+
+
+def qmatmul(x: jax.Array, q: QTensor, *, memory_bound: bool) -> jax.Array:
+    """x [..., I] @ the dense kernel of q [I, O] (no layer axis), as float32 [..., O];
+    memory_bound picks the block form (module docstring)."""
+    *lead, n_in = x.shape
+    k = q.block_size // 2
+    xb = x.reshape(*lead, n_in // q.block_size, k, 2)  # [..., N, K, J]
+    scales = dense_scales(jnp, q)  # [N, O]
+    if memory_bound:
+        levels = jnp.stack([_levels(q, j, x.dtype) for j in (0, 1)], axis=1)  # [N, J, K, O]
+        partial = jnp.einsum("...nkj,njko->...no", xb, levels,
+                             preferred_element_type=jnp.float32)  # [..., N, O]
+        return jnp.sum(partial * scales, axis=-2)
+    out = 0.0
+    for j in (0, 1):  # the even rows' kernel, then the odd rows': each written and read once
+        kernel = (_levels(q, j, jnp.float32) * scales[:, None, :]).astype(x.dtype)  # [N, K, O]
+        out = out + jnp.einsum("...nk,nko->...o", xb[..., j], kernel,
+                               preferred_element_type=jnp.float32)
+    return out

@@ -1,0 +1,104 @@
+"""Operations: Prometheus metrics (GET /metrics) and one access-log line per request.
+
+Each server has its own registry, so servers started in one process do not share counters.
+The access log (logger `jaxrl.serve.access`) writes method, path, status, seconds, the
+served model, prompt and completion tokens and the client address: never prompt text, never
+the API key.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+access_log = logging.getLogger("jaxrl.serve.access")
+
+_LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_PER_TOKEN = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+
+class Metrics:
+    """The server's counters, gauges and histograms (names start with jaxrl_serve_)."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self):
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("jaxrl_serve_requests", "requests answered",
+                                ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("jaxrl_serve_prompt_tokens", "prompt tokens", ["model"],
+                                     registry=r)
+        self.completion_tokens = Counter("jaxrl_serve_completion_tokens",
+                                         "completion tokens returned", ["model"], registry=r)
+        self.waiting = Gauge("jaxrl_serve_queue_depth", "completions waiting for a slot",
+                             registry=r)
+        self.running = Gauge("jaxrl_serve_running", "completions in decode slots", registry=r)
+        self.utilization = Gauge("jaxrl_serve_slot_utilization",
+                                 "share of slot-steps that emitted a token in the last chunk",
+                                 registry=r)
+        self.first_token = Histogram("jaxrl_serve_time_to_first_token_seconds",
+                                     "from a request's arrival to its first token",
+                                     buckets=_LATENCY, registry=r)
+        self.per_token = Histogram("jaxrl_serve_time_per_output_token_seconds",
+                                   "after the first token, per further token of a request",
+                                   buckets=_PER_TOKEN, registry=r)
+        self.latency = Histogram("jaxrl_serve_request_seconds", "from arrival to the last byte",
+                                 buckets=_LATENCY, registry=r)
+
+    def engine(self, counts) -> None:
+        """The scheduler's counts after an engine step (or a change of queue)."""
+        self.waiting.set(counts.waiting)
+        self.running.set(counts.running)
+        self.utilization.set(counts.utilization)
+
+    def generation(self, model: str, arrived: float, prompt_tokens: int, gen) -> None:
+        """A finished request's tokens and timings (`gen`: its Generation)."""
+        self.prompt_tokens.labels(model).inc(prompt_tokens)
+        tokens = gen.completion_tokens
+        self.completion_tokens.labels(model).inc(tokens)
+        if gen.first_token_at is not None:
+            self.first_token.observe(gen.first_token_at - arrived)
+            if tokens > 1 and gen.finished_at is not None:
+                self.per_token.observe((gen.finished_at - gen.first_token_at) / (tokens - 1))
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class AccessLog:
+    """ASGI middleware: one log line per HTTP request once its response has been sent (for a
+    stream, after its last chunk), and the request counter and latency."""
+
+    def __init__(self, app, metrics: Metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start, status = time.monotonic(), [500]
+        scope.setdefault("state", {})
+
+        async def sending(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            self._log(scope, status[0], time.monotonic() - start)
+
+    def _log(self, scope, status: int, seconds: float) -> None:
+        state, path = scope["state"], scope["path"]
+        client = scope.get("client") or ("-", 0)
+        self.metrics.requests.labels(path if path in _ENDPOINTS else "other", str(status)).inc()
+        self.metrics.latency.observe(seconds)
+        access_log.info("%s %s %s %d %.3fs model=%s prompt_tokens=%s completion_tokens=%s",
+                        client[0], scope["method"], path[:200], status, seconds,
+                        state.get("model", "-"), state.get("prompt_tokens", "-"),
+                        state.get("completion_tokens", "-"))
+
+
+_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
