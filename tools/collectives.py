@@ -1,7 +1,7 @@
 """The collectives of the compiled GRPO train step and decode step, with bytes per step.
 
 Compiles, from abstract shapes as `jaxrl plan` does, the train step (`jaxrl plan`'s
-`lower_step`) and one decode step (the engine's `generate`, as tools/decode_traffic.py) on a
+`compile_grpo_step`, with the remat policy a run takes) and one decode step (the engine's `generate`, as tools/decode_traffic.py) on a
 mesh of the local devices, with NF4 kernels dequantized per layer (the accelerators' path),
 and lists every collective of the optimized HLO (jaxrl/hlo.py) with the bytes of its result
 per call per device, loops counted by their trip counts, each array in the type it carries:
@@ -67,8 +67,9 @@ def main() -> None:
     args = _args()
     import jax
 
-    from jaxrl.commands.plan import abstract_run, architecture, lower_step
+    from jaxrl.commands.plan import abstract_run, architecture, compile_grpo_step, lower_step
     from jaxrl.config import load_config
+    from jaxrl.devices import device_memory
     from jaxrl.model.params import declare
     from jaxrl.sharding import MeshRules, make_mesh
 
@@ -83,7 +84,12 @@ def main() -> None:
           f"{jax.devices()[0].device_kind}, mesh {dict(rules.mesh.shape)}; "
           f"{cfg.data.prompts_per_step} x {cfg.grpo.num_generations} rows")
     decode, _, _ = compile_step(cfg, spec, rules, options)
-    step = lower_step(cfg, spec, rules, abstract_run(cfg, spec, rules)).compile(options)
+    run = abstract_run(cfg, spec, rules)
+    policy = cfg.optim.remat
+    if policy == "auto":
+        policy = compile_grpo_step(cfg, spec, rules, run, device_memory(jax.devices())[0])[0]
+    print(f"train step: optim.remat {policy}")
+    step = lower_step(cfg, spec, rules, run, policy).compile(options)
     bad = (report("decode step", decode, spec.vocab_size, kernels)
            + report("train step", step, spec.vocab_size, kernels))
     sys.exit(1 if bad else 0)

@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxrl.lora.lora import Lora, lora_delta
 from jaxrl.model.attention import apply_rope, attend, rope_tables
@@ -24,6 +25,16 @@ from jaxrl.quant.qmatmul import qmatmul
 from jaxrl.sharding import MeshRules, layer_weights, split_rows
 
 Params = dict[str, Any]
+
+# What each layer of the scan keeps for the backward pass (`remat`), least recomputation first:
+# none saves every intermediate; dots saves each projection's output (`projector`: the linear's
+# matmul plus its LoRA delta, one [B, T, out] array however the matmul is split, as the NF4
+# matmul splits it in two) and recomputes attention, norms, activations and the LoRA products;
+# full saves only the layer's input and recomputes the whole layer. Dequantized NF4 kernels are
+# saved under none.
+REMAT_POLICIES = {"none": None,
+                  "dots": jax.checkpoint_policies.save_only_these_names("projection"),
+                  "full": jax.checkpoint_policies.nothing_saveable}
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
@@ -65,13 +76,14 @@ def linear(x: jax.Array, p: Params) -> jax.Array:
 
 
 def projector(lp: Params, ll: Params | None, lora: Lora | None, rng: jax.Array | None):
-    """proj(name, x): layer linear `name` applied to x, plus its adapter when it has one."""
+    """proj(name, x): layer linear `name` applied to x, plus its adapter when it has one; the
+    result is named "projection" (the one array remat dots saves of it)."""
     def proj(name: str, x: jax.Array) -> jax.Array:
         y = linear(x, lp[name])
         if ll is not None and name in ll:
             key = None if rng is None else jax.random.fold_in(rng, LINEAR_NAMES.index(name))
             y = y + lora_delta(x, ll[name], lora.scale, lora.dropout, key)
-        return y
+        return checkpoint_name(y, "projection")
     return proj
 
 
@@ -140,14 +152,14 @@ def cached_mask(attn_mask: jax.Array, t: int, start: jax.Array) -> jax.Array:
 
 def hidden_states(params: Params, tokens: jax.Array, positions: jax.Array, spec: ModelSpec, *,
                   attn_mask: jax.Array | None = None, cache: KVCache | None = None,
-                  lora: Lora | None = None, rng: jax.Array | None = None, remat: bool = False,
+                  lora: Lora | None = None, rng: jax.Array | None = None, remat: str = "none",
                   shardings: MeshRules | None = None):
     """Final-normed hidden states [B, T, E] and the updated cache (None without one).
 
     lora: adapters added to their target linears (None = the frozen base alone, which is also
     the GRPO reference policy). rng: key for LoRA dropout (None = no dropout, as in eval).
-    remat: recompute each layer in the backward pass instead of saving its intermediates; this
-    also keeps dequantized NF4 weights from being saved for the backward, one per layer.
+    remat: what each layer saves for the backward pass, a key of REMAT_POLICIES; dots and full
+    also keep dequantized NF4 weights from being saved for the backward, one per layer.
     tokens, positions: [B, T] int32. attn_mask marks valid (non-pad) key slots: [B, T] without a
     cache, [B, S] over the cache slots with one (default: all valid). With a cache, row b's T
     new tokens attend causally to its filled slots [0, cache.index[b]) and to each other, then
@@ -180,7 +192,8 @@ def hidden_states(params: Params, tokens: jax.Array, positions: jax.Array, spec:
     use_dropout = lora is not None and lora.dropout > 0 and rng is not None
     keys = jax.random.split(rng, spec.num_layers) if use_dropout else None
     kv = None if cache is None else (cache.k, cache.v)
-    body = jax.checkpoint(layer) if remat else layer
+    policy = REMAT_POLICIES[remat]
+    body = layer if policy is None else jax.checkpoint(layer, policy=policy)
     h, new = jax.lax.scan(body, h, (params["layers"], ll, keys, kv))
     h = rms_norm(h, params["norm"]["scale"], spec.rms_norm_eps)
     return h, (None if cache is None else write_tokens(cache, *new))
@@ -205,7 +218,7 @@ def logits_at(logits: jax.Array, ids: jax.Array) -> jax.Array:
 
 def forward(params: Params, tokens: jax.Array, positions: jax.Array, spec: ModelSpec, *,
             attn_mask: jax.Array | None = None, cache: KVCache | None = None,
-            lora: Lora | None = None, rng: jax.Array | None = None, remat: bool = False):
+            lora: Lora | None = None, rng: jax.Array | None = None, remat: str = "none"):
     """Logits [B, T, V] (float32) and the updated cache. See `hidden_states` for the inputs."""
     h, cache = hidden_states(params, tokens, positions, spec, attn_mask=attn_mask, cache=cache,
                              lora=lora, rng=rng, remat=remat)

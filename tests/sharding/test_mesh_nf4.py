@@ -145,7 +145,7 @@ def test_mesh_matches_single_device(single, meshed):
 @functools.partial(jax.jit, static_argnums=(5, 6))
 def _teacher_forced(params, lora, tokens, positions, mask, start, temperature):
     return token_logprobs(params, SPEC, tokens, positions, mask, lora, start=start,
-                          temperature=temperature, remat=False)[0]
+                          temperature=temperature, remat="none")[0]
 
 
 @pytest.mark.parametrize("where", ["one_device", "mesh_2x2x2"])
