@@ -40,9 +40,10 @@ def _programs(mesh: str) -> dict[str, Program]:
         f"mesh.data={data}", f"mesh.fsdp={fsdp}", f"mesh.tensor={tensor}"])
     rules = MeshRules(make_mesh(cfg.mesh))
     run = abstract_run(cfg, SPEC, rules)
-    lower = {"decode": lower_sampler, "step": lower_step}
-    return {name: Program(fn(cfg, SPEC, rules, run).compile(CPU_OPTIONS).as_text())
-            for name, fn in lower.items()}
+    lowered = {"decode": lower_sampler(cfg, SPEC, rules, run),
+               "step": lower_step(cfg, SPEC, rules, run, "full")}
+    return {name: Program(program.compile(CPU_OPTIONS).as_text())
+            for name, program in lowered.items()}
 
 
 def _arrays(move):
