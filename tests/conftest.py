@@ -15,11 +15,21 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 import jax  # noqa: E402  (the environment above must be set before anything imports jax)
 import pytest  # noqa: E402
 
-# The test process itself keeps compiled programs in memory only: after several hundred
-# programs, jaxlib 0.10.2's CPU executable serialization crashed the process (SIGSEGV inside
-# `executable.serialize()` while writing the persistent cache), and a fresh CI machine starts
-# with an empty cache anyway.
+# The test process itself keeps compiled programs in memory only (a fresh CI machine starts with
+# an empty cache anyway); the `jaxrl` processes the tests start use the persistent cache.
 jax.config.update("jax_enable_compilation_cache", False)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs():
+    """Drop every compiled program after each test module. XLA:CPU maps a few memory regions
+    per loaded executable; one process running the whole suite would pass the kernel's
+    `vm.max_map_count` (65530 by default), after which a failed mmap inside XLA is a SIGSEGV."""
+    yield
+    import gc
+
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture(scope="session")
