@@ -1,0 +1,31 @@
+"""Diagnosis records: the offline incident cases of jaxrl/envs/diagnosis.py as task records, for
+the diagnosis environment. The prompt shows the system's layout and the alerts; the case itself
+(tool outputs and the gold root cause) rides in metadata["case"], and the answer is the gold
+fine-grained cause. Difficulty does not change the cases. Scored by the `episode` reward (the
+`diagnosis` verifier kind names that no single-turn verifier reads these records)."""
+from __future__ import annotations
+
+import random
+
+from jaxrl.data.generators.registry import register
+from jaxrl.data.records import Problem, register_verifier_kind
+from jaxrl.envs.base import Case
+from jaxrl.envs.diagnosis import generate_case
+
+register_verifier_kind("diagnosis", {})
+
+
+def task_text(case: Case) -> str:
+    """The user message of a case: its layout, its alerts and what to find."""
+    alerts = "\n".join(f"- {signal}" for signal in case.signals)
+    return (f"{case.context}\n\nAlerts:\n{alerts}\n\nFind the root cause: the fault and the "
+            "component it is on.")
+
+
+@register("diagnosis", "incident cases with evidence on request (the diagnosis environment)",
+          "diagnosis")
+def make(rng: random.Random, difficulty: int) -> Problem:
+    case = generate_case(seed=rng.randrange(2 ** 31), index=0)
+    return Problem(fields={"messages": [{"role": "user", "content": task_text(case)}]},
+                   answer=case.gold.fine, verifier={"kind": "diagnosis"},
+                   metadata={"case": case.to_json()})

@@ -1,0 +1,155 @@
+"""The environment protocol of multi-turn training: an episode is the policy's replies and the
+environment's answers, turn by turn.
+
+    env = make_env(name, cfg.env, syntax)     one instance per episode
+    messages = env.reset(record)              the opening chat messages
+    turn = env.step(reply_text)               Turn(messages, done, info)
+    env.episode()                             the episode as JSON, for the rewards
+
+A reply that calls tools (in the chat template's tool-call markup, `jaxrl.hf.tool_calls`) gets
+one message per call back (role "tool": the tool's output, or what was wrong with the call);
+a reply whose markup does not parse gets a tool message saying so; a reply without calls is
+the episode's conclusion and ends it. The environment ends the episode at `env.max_turns`
+replies; the rollout (jaxrl/rl/episodes.py) counts tokens and cuts the trajectory at
+`env.max_tokens`, which it records in the episode.
+
+Tools are OpenAI function definitions (`tools`). A chat template with tool markup renders them
+itself (`apply_chat_template(tools=...)`); for one without (SmolLM2's), `reset` describes them in
+the system message, with the Hermes-style `<tool_call>` markup that replies must then use.
+
+Host side; nothing here imports jax.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+from jaxrl.config import EnvConfig
+from jaxrl.hf.tool_calls import ToolCall, ToolSyntax
+
+HERMES = ToolSyntax("qwen")  # the markup described to models whose template renders no tools
+
+
+class ToolError(ValueError):
+    """A call the environment cannot run (unknown tool, missing or wrong arguments); its message
+    goes back to the policy as the tool's answer."""
+
+
+class EpisodeError(ValueError):
+    """A record the environment cannot play; the message names what it needs."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Turn:
+    """The environment's answer to one reply: messages to append (none once done), whether the
+    episode is over, and what the reply did (calls made, valid calls, why it ended)."""
+
+    messages: list[dict]
+    done: bool
+    info: dict
+
+
+def function(name: str, description: str, parameters: Mapping[str, str],
+             required: tuple[str, ...] | None = None) -> dict:
+    """An OpenAI function tool whose parameters are strings described by `parameters`."""
+    properties = {p: {"type": "string", "description": d} for p, d in parameters.items()}
+    return {"type": "function", "function": {
+        "name": name, "description": description,
+        "parameters": {"type": "object", "properties": properties,
+                       "required": list(parameters if required is None else required)}}}
+
+
+def describe_tools(tools: list[dict]) -> str:
+    """The tools and the `<tool_call>` markup, for a system message (templates without tools)."""
+    listed = "\n".join(json.dumps(tool) for tool in tools)
+    return ("You can call these tools:\n<tools>\n" + listed + "\n</tools>\n"
+            "To call a tool, reply with its name and arguments as one JSON object inside "
+            "<tool_call></tool_call> tags, and nothing after it:\n<tool_call>\n"
+            '{"name": "<tool name>", "arguments": {"<argument>": "<value>"}}\n</tool_call>\n'
+            "Each call's result comes back in the next message.")
+
+
+class Environment(ABC):
+    """One episode of an environment (module docstring). Subclasses give the tools, the opening
+    messages, how a call runs and how a conclusion reads; this class keeps the turn count, the
+    calls and the conclusion, and ends the episode."""
+
+    name: ClassVar[str]
+
+    def __init__(self, cfg: EnvConfig, syntax: ToolSyntax | None):
+        """syntax: the chat template's tool-call markup, None when it renders no tools."""
+        self.cfg = cfg
+        self.syntax = syntax or HERMES
+        self.template_tools = syntax is not None
+        self.record: Mapping[str, Any] = {}
+        self.turns = 0
+        self.calls: list[dict] = []
+        self.conclusion: dict | None = None
+        self.finish: str | None = None
+
+    @property
+    @abstractmethod
+    def tools(self) -> list[dict]:
+        """OpenAI function definitions of this episode's tools."""
+
+    @abstractmethod
+    def opening(self, record: Mapping[str, Any]) -> tuple[str, list[dict]]:
+        """(system instructions, task messages) of a record; EpisodeError if it cannot play it."""
+
+    @abstractmethod
+    def run(self, name: str, arguments: Mapping[str, Any]) -> str:
+        """The output of a call; ToolError when it cannot run."""
+
+    @abstractmethod
+    def conclude(self, text: str) -> dict:
+        """The conclusion a reply without calls states (JSON), for the rewards."""
+
+    def reset(self, record: Mapping[str, Any]) -> list[dict]:
+        self.record = record
+        system, task = self.opening(record)
+        if not self.template_tools:
+            system = system + "\n\n" + describe_tools(self.tools)
+        return [{"role": "system", "content": system}, *task]
+
+    def step(self, text: str) -> Turn:
+        self.turns += 1
+        parsed = self.syntax.parse(text)
+        if parsed is None and self.syntax.markup_start(text, 0) is not None:
+            messages = [self._unreadable()]
+        elif parsed is None:
+            self.conclusion, self.finish = self.conclude(text), "answer"
+            return Turn([], True, {"calls": 0, "valid_calls": 0, "finish": "answer"})
+        else:
+            messages = [self._call(call) for call in parsed[1]]
+        made = len(messages)
+        info = {"calls": made, "valid_calls": sum(c["valid"] for c in self.calls[-made:])}
+        if self.turns >= self.cfg.max_turns:
+            self.finish = "turn_limit"
+            return Turn([], True, {**info, "finish": "turn_limit"})
+        return Turn(messages, False, info)
+
+    def _unreadable(self) -> dict:
+        error = ("the tool call could not be read: write one JSON object "
+                 '{"name": ..., "arguments": {...}} inside <tool_call></tool_call>'
+                 if self.syntax.name == "qwen" else
+                 'the tool call could not be read: write {"name": ..., "parameters": {...}}')
+        self.calls.append({"name": None, "arguments": None, "valid": False, "output": error})
+        return {"role": "tool", "content": error}
+
+    def _call(self, call: ToolCall) -> dict:
+        arguments = json.loads(call.arguments)
+        try:
+            output, valid = self.run(call.name, arguments), True
+        except ToolError as error:
+            output, valid = f"error: {error}", False
+        self.calls.append({"name": call.name, "arguments": arguments, "valid": valid,
+                           "output": output})
+        return {"role": "tool", "content": output}
+
+    def episode(self) -> dict:
+        """The episode so far as JSON: turns, calls, conclusion and how it ended."""
+        return {"env": self.name, "turns": self.turns, "calls": list(self.calls),
+                "conclusion": self.conclusion, "finish": self.finish}
