@@ -54,7 +54,7 @@ def run_engine(params, spec, prompts, lengths, args):
 
     from jaxrl.sampling import Decoding, Engine, Request
     from jaxrl.sampling.buckets import bucket
-    from jaxrl.sampling.engine import row_keys
+    from jaxrl.sampling.requests import row_keys
 
     capacity = bucket(max(len(p) for p in prompts)) + bucket(args.cap)
     engine = Engine(params, spec, slots=args.slots, capacity=capacity, chunk=args.chunk)

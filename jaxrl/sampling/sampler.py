@@ -30,7 +30,8 @@ from jaxrl.lora.lora import Lora
 from jaxrl.model.families import ModelSpec
 from jaxrl.model.transformer import Params
 from jaxrl.sampling.buckets import bucket, left_pad
-from jaxrl.sampling.engine import Engine, Request, row_keys
+from jaxrl.sampling.engine import Engine
+from jaxrl.sampling.requests import Request, row_keys
 from jaxrl.sampling.sampling_fns import Decoding
 from jaxrl.sampling.stop import cut_at_stop
 from jaxrl.sharding import MeshRules
