@@ -55,7 +55,7 @@ def make_batch(rollout: Rollout, advantages: np.ndarray, keep: np.ndarray,
                to_device=functools.partial(jax.tree_util.tree_map, jnp.asarray)) -> Batch:
     """The update's batch; to_device places host rows (`Session.to_device` on a mesh)."""
     tokens, mask, positions = _rows(rollout.out)
-    completion_mask = rollout.out.mask & (keep[:, None] > 0)
+    completion_mask = rollout.out.loss_mask & (keep[:, None] > 0)  # multi-turn: policy tokens
     rows = to_device((tokens, positions, mask, completion_mask, rollout.out.logprobs,
                       advantages))
     return Batch(*rows, ref_logp=rollout.ref_logp)

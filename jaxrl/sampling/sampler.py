@@ -49,6 +49,14 @@ class SampleOutput:
     logprobs: np.ndarray  # [B, max_new_tokens] float32, 0 where masked
     finish_reasons: tuple[str, ...]  # "stop" (EOS id or stop string) or "length"
     texts: tuple[str, ...] | None  # the masked completions as text, with a detokenizer
+    # [B, max_new_tokens] bool: the tokens the policy sampled, where a multi-turn rollout
+    # (jaxrl/rl/episodes.py) also holds environment tokens; None: every token in `mask`
+    policy_mask: np.ndarray | None = None
+
+    @property
+    def loss_mask(self) -> np.ndarray:
+        """The tokens the loss and the KL cover: the policy's (`mask` unless multi-turn)."""
+        return self.mask if self.policy_mask is None else self.policy_mask
 
 
 def _apply_stop(out: SampleOutput, stop: Sequence[str],
