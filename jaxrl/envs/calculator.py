@@ -71,6 +71,7 @@ def show(value: float) -> str:
 
 class Calculator(Environment):
     name = "calculator"
+    outcome = "correct"  # the score component that is the episode's accuracy
 
     @property
     def tools(self) -> list[dict]:

@@ -177,6 +177,7 @@ class Diagnosis(Environment):
     retrieved output), minus `env.turn_cost` per reply."""
 
     name = "diagnosis"
+    outcome = "match"  # the score component that is the episode's accuracy
     case: Case
 
     @property

@@ -78,6 +78,7 @@ class Environment(ABC):
     calls and the conclusion, and ends the episode."""
 
     name: ClassVar[str]
+    outcome: ClassVar[str]  # the score component that is an episode's accuracy (jaxrl eval)
 
     def __init__(self, cfg: EnvConfig, syntax: ToolSyntax | None):
         """syntax: the chat template's tool-call markup, None when it renders no tools."""
