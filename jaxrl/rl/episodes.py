@@ -153,7 +153,8 @@ class _Player:
     def run(self) -> None:
         while True:
             self.engine.step()
-            done, self.done = self.done, []
+            done = list(self.done)  # the replies that ended in this step
+            self.done.clear()
             for request in done:
                 self.answer(request)
             if not distributed.host_max(int(self.engine.busy())):

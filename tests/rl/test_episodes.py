@@ -28,9 +28,10 @@ def chat_model(tiny_chat):
 
 def _cfg(**env):
     # tool_first: every first reply opens with <tool_call>, which random text never closes,
-    # so the environment answers it and a second reply follows
-    return from_dict({"data": {"env": "calculator"}, "sampling": {"max_new_tokens": 12},
-                      "env": {"max_turns": 3, "max_tokens": 96, "tool_first": True, **env}})
+    # so the environment answers it and a second reply follows; replies of 20 tokens take two
+    # engine steps (chunks of 16)
+    return from_dict({"data": {"env": "calculator"}, "sampling": {"max_new_tokens": 20},
+                      "env": {"max_turns": 3, "max_tokens": 128, "tool_first": True, **env}})
 
 
 def test_trajectory_logprobs_equal_one_forward_and_env_tokens_are_masked(chat_model):
@@ -65,10 +66,10 @@ def test_trajectory_logprobs_equal_one_forward_and_env_tokens_are_masked(chat_mo
 def test_the_token_budget_cuts_an_episode_and_reports_it(chat_model):
     spec, params, chat = chat_model
     records = generate("calculator", 2, seed=1)
-    _, out, played = play(params, spec, records, jax.random.PRNGKey(0), _cfg(max_tokens=20),
+    _, out, played = play(params, spec, records, jax.random.PRNGKey(0), _cfg(max_tokens=30),
                           chat)
     assert out.finish_reasons == ("length", "length")
     for row, record in enumerate(played):
         assert record["episode"]["finish"] == "token_budget"
-        assert out.mask[row].sum() <= 20 and out.policy_mask[row].sum() >= 1
+        assert out.mask[row].sum() <= 30 and out.policy_mask[row].sum() >= 1
     assert episode_metrics(played)["episode/truncated_frac"] == 1
