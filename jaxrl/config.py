@@ -127,7 +127,10 @@ class EnvConfig(_Group):
     # tokens after the opening prompt (replies and environment messages): the trajectory budget
     # and the learner's completion width; sampling.max_new_tokens bounds each reply
     max_tokens: int = _setting(512, ge=2)
-    tool_first: bool = False  # the first reply opens with the tool-call markup (a call)
+    # the first reply's tool_choice, as in the OpenAI API: auto (free), required (it opens with
+    # the tool-call markup) or a tool's name (it opens with a call of that tool)
+    first_tool_choice: str = "auto"
+    demonstration: bool = False  # the opening shows one worked episode before the task
     turn_cost: float = _setting(0.0, ge=0)  # subtracted per reply
     evidence_bonus: float = _setting(0.0, ge=0)  # a tool returned output before the conclusion
     fabrication_penalty: float = _setting(0.0, ge=0)  # per quote of text never retrieved

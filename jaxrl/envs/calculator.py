@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from jaxrl.config import EnvConfig
-from jaxrl.envs.protocol import Environment, EpisodeError, ToolError, function
+from jaxrl.envs.protocol import Demonstration, Environment, EpisodeError, ToolError, function
 from jaxrl.rewards.base import answer_span
 from jaxrl.rewards.correctness import parse_number
 
@@ -29,11 +29,8 @@ _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
 _UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 MAX_EXPONENT = 64  # a ** b with larger b is refused (a tiny expression, an enormous number)
 
-INSTRUCTIONS = (
-    "Solve the problem with the calculator tool. First call the calculator on the expression "
-    "that gives the answer, for example:\n<tool_call>\n"
-    '{"name": "calculator", "arguments": {"expression": "12 * 34"}}\n</tool_call>\n'
-    "When you have its result, reply with the final answer as <answer>number</answer>.")
+INSTRUCTIONS = ("Call the calculator on the expression that gives the answer, then reply with "
+                "<answer>number</answer>.")
 
 
 def evaluate(expression: str) -> float:
@@ -72,11 +69,12 @@ def show(value: float) -> str:
 class Calculator(Environment):
     name = "calculator"
     outcome = "correct"  # the score component that is the episode's accuracy
+    example = {"name": "calculator", "arguments": {"expression": "12 * 34"}}
 
     @property
     def tools(self) -> list[dict]:
         return [function("calculator", "evaluate an arithmetic expression",
-                         {"expression": "numbers with + - * / and parentheses, e.g. 12 * 34"})]
+                         {"expression": "numbers, + - * / and parentheses"})]
 
     def opening(self, record: Mapping[str, Any]) -> tuple[str, list[dict]]:
         if parse_number(str(record.get("answer", ""))) is None:
@@ -84,6 +82,10 @@ class Calculator(Environment):
                                f"answer; record {record.get('id')!r} has {record.get('answer')!r}")
         task = [m for m in record["messages"] if m["role"] != "system"]
         return INSTRUCTIONS, task
+
+    def demonstration(self) -> Demonstration:
+        return Demonstration("12 bags hold 34 marbles each. How many marbles are there?",
+                             self.example, "408", "<answer>408</answer>")
 
     def run(self, name: str, arguments: Mapping[str, Any]) -> str:
         if name != "calculator":

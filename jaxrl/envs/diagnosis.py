@@ -23,7 +23,7 @@ import yaml
 from jaxrl.agents.grounding import grounded, judge
 from jaxrl.config import EnvConfig
 from jaxrl.envs.base import Case, Gold, case_from_json
-from jaxrl.envs.protocol import Environment, EpisodeError, ToolError, function
+from jaxrl.envs.protocol import Demonstration, Environment, EpisodeError, ToolError, function
 from jaxrl.rewards.base import answer_span
 
 DOMAIN = "distributed-systems"
@@ -139,8 +139,17 @@ INSTRUCTIONS = (
     "category: <fault category, e.g. disk, memory, cpu, network, database>\n"
     "root cause: <the fault> on <component>\n"
     'evidence: "<a line quoted exactly from a tool output>"\n</answer>')
+DEMO_SEED = -1  # the demonstration's case (generated cases use seeds >= 0)
+_DISK_FULL = 1  # its fault: catalog()["faults"][1], whose evidence is df on the host
 _FIELD = r"^\s*{}\s*:\s*(.*)$"
 _QUOTE = re.compile(r'"([^"\n]{1,400})"')
+
+
+def task_text(case: Case) -> str:
+    """The user message of a case: its layout, its alerts and what to find."""
+    alerts = "\n".join(f"- {signal}" for signal in case.signals)
+    return (f"{case.context}\n\nAlerts:\n{alerts}\n\nFind the root cause: the fault and the "
+            "component it is on.")
 
 
 def _field(text: str, name: str) -> str:
@@ -178,16 +187,27 @@ class Diagnosis(Environment):
 
     name = "diagnosis"
     outcome = "match"  # the score component that is the episode's accuracy
+    example = {"name": "logs", "arguments": {"target": "checkout"}}
     case: Case
 
     @property
     def tools(self) -> list[dict]:
-        return [function(tool, text, {"target": "the host, service or database to inspect"})
+        return [function(tool, text, {"target": "the component to inspect"})
                 for tool, text in self.case.tools.items()]
 
     def opening(self, record: Mapping[str, Any]) -> tuple[str, list[dict]]:
         self.case = _case_of(record)
         return INSTRUCTIONS, [m for m in record["messages"] if m["role"] != "system"]
+
+    def demonstration(self) -> Demonstration:
+        """A disk-full case: df on the full host, quoted in the conclusion."""
+        case = generate_case(seed=DEMO_SEED, index=0, fault_index=_DISK_FULL)
+        host = case.gold.component
+        output = case.request("df", host)
+        quote = output.splitlines()[-1]
+        return Demonstration(task_text(case), {"name": "df", "arguments": {"target": host}},
+                             output, f"<answer>\ncategory: {case.gold.coarse}\nroot cause: "
+                             f"{case.gold.fine} on {host}\nevidence: \"{quote}\"\n</answer>")
 
     def run(self, name: str, arguments: Mapping[str, Any]) -> str:
         target = arguments.get("target")

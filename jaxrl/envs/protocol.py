@@ -15,7 +15,10 @@ replies; the rollout (jaxrl/rl/episodes.py) counts tokens and cuts the trajector
 
 Tools are OpenAI function definitions (`tools`). A chat template with tool markup renders them
 itself (`apply_chat_template(tools=...)`); for one without (SmolLM2's), `reset` describes them in
-the system message, with the Hermes-style `<tool_call>` markup that replies must then use.
+the system message, one line each, with the Hermes-style `<tool_call>` markup that replies must
+then use and an example call of the environment's. `env.first_tool_choice` (required or a
+tool's name) has the rollout open the first reply with the markup, as tool_choice does;
+`env.demonstration` shows one worked episode (task, call, output, conclusion) before the task.
 
 Host side; nothing here imports jax.
 """
@@ -43,6 +46,17 @@ class EpisodeError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
+class Demonstration:
+    """A worked episode an opening can show before the task (env.demonstration): a task, one
+    call {"name", "arguments"}, its output and the concluding reply."""
+
+    task: str
+    call: dict
+    output: str
+    conclusion: str
+
+
+@dataclasses.dataclass(frozen=True)
 class Turn:
     """The environment's answer to one reply: messages to append (none once done), whether the
     episode is over, and what the reply did (calls made, valid calls, why it ended)."""
@@ -62,14 +76,19 @@ def function(name: str, description: str, parameters: Mapping[str, str],
                        "required": list(parameters if required is None else required)}}}
 
 
-def describe_tools(tools: list[dict]) -> str:
-    """The tools and the `<tool_call>` markup, for a system message (templates without tools)."""
-    listed = "\n".join(json.dumps(tool) for tool in tools)
-    return ("You can call these tools:\n<tools>\n" + listed + "\n</tools>\n"
-            "To call a tool, reply with its name and arguments as one JSON object inside "
-            "<tool_call></tool_call> tags, and nothing after it:\n<tool_call>\n"
-            '{"name": "<tool name>", "arguments": {"<argument>": "<value>"}}\n</tool_call>\n'
-            "Each call's result comes back in the next message.")
+def describe_tools(tools: list[dict], example: Mapping[str, Any]) -> str:
+    """The tools, one line each, and the `<tool_call>` markup shown with `example` (a call
+    {"name", "arguments"}), for a system message (templates that render no tools). Compact:
+    a small model's prompt stays short."""
+    lines = []
+    for tool in tools:
+        f = tool["function"]
+        arguments = "; ".join(f"{name}: {p.get('description', p.get('type', ''))}"
+                              for name, p in f["parameters"]["properties"].items())
+        lines.append(f"- {f['name']}: {f['description']} (arguments: {arguments})")
+    return ("Tools:\n" + "\n".join(lines) + "\nCall a tool with one JSON object inside "
+            "<tool_call></tool_call>, for example:\n<tool_call>\n" + json.dumps(example)
+            + "\n</tool_call>\nThe result comes back as the next message.")
 
 
 class Environment(ABC):
@@ -79,6 +98,7 @@ class Environment(ABC):
 
     name: ClassVar[str]
     outcome: ClassVar[str]  # the score component that is an episode's accuracy (jaxrl eval)
+    example: ClassVar[dict]  # a call {"name", "arguments"} shown with the markup
 
     def __init__(self, cfg: EnvConfig, syntax: ToolSyntax | None):
         """syntax: the chat template's tool-call markup, None when it renders no tools."""
@@ -101,6 +121,10 @@ class Environment(ABC):
         """(system instructions, task messages) of a record; EpisodeError if it cannot play it."""
 
     @abstractmethod
+    def demonstration(self) -> Demonstration:
+        """The worked episode env.demonstration shows (call after `opening`)."""
+
+    @abstractmethod
     def run(self, name: str, arguments: Mapping[str, Any]) -> str:
         """The output of a call; ToolError when it cannot run."""
 
@@ -112,8 +136,35 @@ class Environment(ABC):
         self.record = record
         system, task = self.opening(record)
         if not self.template_tools:
-            system = system + "\n\n" + describe_tools(self.tools)
-        return [{"role": "system", "content": system}, *task]
+            system = system + "\n\n" + describe_tools(self.tools, self.example)
+        shown = self._demonstrated() if self.cfg.demonstration else []
+        return [{"role": "system", "content": system}, *shown, *task]
+
+    def _demonstrated(self) -> list[dict]:
+        """The demonstration as chat messages; its call as the template writes tool calls, or
+        in the described markup when the template renders none."""
+        demo = self.demonstration()
+        if self.template_tools:
+            call = {"role": "assistant", "content": "", "tool_calls": [
+                {"type": "function", "function": demo.call}]}
+        else:
+            call = {"role": "assistant",
+                    "content": f"<tool_call>\n{json.dumps(demo.call)}\n</tool_call>"}
+        return [{"role": "user", "content": demo.task}, call,
+                {"role": "tool", "content": demo.output},
+                {"role": "assistant", "content": demo.conclusion}]
+
+    def first_tool_choice(self) -> str | dict:
+        """env.first_tool_choice as `ToolSyntax.forced_prefix` takes it; a name must be one of
+        the tools (call after `reset`)."""
+        choice = self.cfg.first_tool_choice
+        if choice in ("auto", "required"):
+            return choice
+        names = [tool["function"]["name"] for tool in self.tools]
+        if choice not in names:
+            raise EpisodeError(f"env.first_tool_choice must be auto, required or one of the "
+                               f"{self.name} tools ({', '.join(names)}); got {choice!r}")
+        return {"function": {"name": choice}}
 
     def step(self, text: str) -> Turn:
         self.turns += 1

@@ -16,8 +16,9 @@ sampling.max_new_tokens and what the trajectory has left; an episode that runs o
 (a reply at the budget, or an environment answer that does not fit with one more token) is cut
 there, with finish reason "length" and episode finish "token_budget". A reply's EOS token is
 the policy's; when the template's end-of-turn markup opens with the same token it is not
-appended twice. With `env.tool_first` the first reply opens with the template's tool-call
-markup (`forced_prefix("required")`), which is part of the opening prompt.
+appended twice. `env.first_tool_choice` (required, or a tool's name) makes the first reply
+open with the tool-call markup (`ToolSyntax.forced_prefix`), as `jaxrl serve` honours
+tool_choice; that opening is part of the opening prompt.
 
 Keys: row i draws with fold_in(key, i) as in `sample`, its reply t with fold_in of that by t.
 """
@@ -32,7 +33,7 @@ import numpy as np
 from jaxrl import distributed
 from jaxrl.config import Config
 from jaxrl.envs import environment
-from jaxrl.envs.protocol import Environment, HERMES
+from jaxrl.envs.protocol import Environment
 from jaxrl.hf.tokenizer import chat_prompt_text, continuation_text, detokenizer, text_ids
 from jaxrl.hf.tool_calls import syntax_of
 from jaxrl.lora.lora import Lora
@@ -55,7 +56,7 @@ class Episode:
     record: dict
     prompt: list[int]  # the opening prompt's token ids
     prompt_text: str
-    prefix: str  # the first reply's forced opening ("" unless env.tool_first)
+    prefix: str  # the first reply's forced opening (env.first_tool_choice)
     key: np.ndarray
     tokens: list[int] = dataclasses.field(default_factory=list)  # after the prompt
     policy: list[bool] = dataclasses.field(default_factory=list)
@@ -77,12 +78,11 @@ class Chat:
     def syntax(self):
         return syntax_of(self.tokenizer.chat_template)
 
-    def opening(self, env: Environment, record: dict, tool_first: bool) -> tuple[str, str]:
+    def opening(self, env: Environment, record: dict) -> tuple[str, str]:
         """(prompt text, the first reply's forced opening) of an episode."""
         messages = env.reset(record)
         tools = env.tools if env.template_tools else None
-        prefix = (env.syntax if env.template_tools else HERMES).forced_prefix("required") \
-            if tool_first else ""
+        prefix = env.syntax.forced_prefix(env.first_tool_choice())
         return chat_prompt_text(self.tokenizer, messages, tools=tools) + prefix, prefix
 
     def continuation(self, messages: list[dict], after_eos: int | None) -> list[int]:
@@ -97,7 +97,7 @@ def _episodes(records: Sequence[dict], cfg: Config, chat: Chat, keys: np.ndarray
     out = []
     for record, key in zip(records, keys):
         env = cls(cfg.env, chat.syntax)
-        text, prefix = chat.opening(env, record, cfg.env.tool_first)
+        text, prefix = chat.opening(env, record)
         out.append(Episode(env, dict(record), text_ids(chat.tokenizer, text), text, prefix,
                            key))
     return out

@@ -29,10 +29,33 @@ def test_registry_names_the_config_choices():
 def test_tools_are_described_only_for_templates_that_render_none():
     described = Calculator(EnvConfig(), None).reset(RECORD)
     assert [m["role"] for m in described] == ["system", "user"]
-    assert '"name": "calculator"' in described[0]["content"]
-    assert "<tools>" in described[0]["content"]
+    assert "Tools:\n- calculator: evaluate an arithmetic expression" in described[0]["content"]
+    assert '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12 * 34"}}\n' \
+        '</tool_call>' in described[0]["content"]
     rendered = Calculator(EnvConfig(), ToolSyntax("qwen")).reset(RECORD)
-    assert "<tools>" not in rendered[0]["content"] and rendered[1] == RECORD["messages"][0]
+    assert "Tools:" not in rendered[0]["content"] and rendered[1] == RECORD["messages"][0]
+
+
+def test_a_demonstration_is_shown_before_the_task():
+    shown = Calculator(EnvConfig(demonstration=True), None).reset(RECORD)
+    assert [m["role"] for m in shown] == ["system", "user", "assistant", "tool", "assistant",
+                                          "user"]
+    assert shown[2]["content"] == ('<tool_call>\n{"name": "calculator", "arguments": '
+                                   '{"expression": "12 * 34"}}\n</tool_call>')
+    assert shown[3]["content"] == "408" and shown[4]["content"] == "<answer>408</answer>"
+    templated = Calculator(EnvConfig(demonstration=True), ToolSyntax("qwen")).reset(RECORD)
+    assert templated[2]["tool_calls"] == [{"type": "function", "function": {
+        "name": "calculator", "arguments": {"expression": "12 * 34"}}}]
+
+
+def test_the_first_tool_choice_names_a_tool_of_the_environment():
+    env = Calculator(EnvConfig(first_tool_choice="calculator"), None)
+    env.reset(RECORD)
+    assert env.first_tool_choice() == {"function": {"name": "calculator"}}
+    env = Calculator(EnvConfig(first_tool_choice="abacus"), None)
+    env.reset(RECORD)
+    with pytest.raises(EpisodeError, match="auto, required or one of the calculator tools"):
+        env.first_tool_choice()
 
 
 def test_a_call_is_run_and_a_reply_without_one_concludes():

@@ -3,17 +3,18 @@ environment's answers alternate in one trajectory whose policy tokens carry exac
 log-probs one forward over the whole trajectory gives; environment tokens are the template's
 rendering of its answers and stay out of the policy mask; the token budget cuts an episode
 and says so; a group shares its opening prompt."""
-import dataclasses
+import copy
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl.config import from_dict
+from jaxrl.config import EnvConfig, from_dict
 from jaxrl.data.generators import generate
 from jaxrl.hf.load import load_params
-from jaxrl.hf.tokenizer import eos_token_ids, load_tokenizer
+from jaxrl.envs.calculator import Calculator
+from jaxrl.hf.tokenizer import continuation_text, eos_token_ids, load_tokenizer
 from jaxrl.model.transformer import forward, positions_from_mask
 from jaxrl.rl.episodes import Chat, episode_metrics, play
 
@@ -27,11 +28,11 @@ def chat_model(tiny_chat):
 
 
 def _cfg(**env):
-    # tool_first: every first reply opens with <tool_call>, which random text never closes,
+    # first_tool_choice required: every first reply opens with <tool_call>, which random text never closes,
     # so the environment answers it and a second reply follows; replies of 20 tokens take two
     # engine steps (chunks of 16)
     return from_dict({"data": {"env": "calculator"}, "sampling": {"max_new_tokens": 20},
-                      "env": {"max_turns": 3, "max_tokens": 128, "tool_first": True, **env}})
+                      "env": {"max_turns": 3, "max_tokens": 128, "first_tool_choice": "required", **env}})
 
 
 def test_trajectory_logprobs_equal_one_forward_and_env_tokens_are_masked(chat_model):
@@ -61,6 +62,25 @@ def test_trajectory_logprobs_equal_one_forward_and_env_tokens_are_masked(chat_mo
     metrics = episode_metrics(played)
     assert metrics["episode/turns_mean"] == 2 and metrics["episode/valid_call_frac"] == 0
     assert metrics["episode/concluded_frac"] == 1
+
+
+def test_a_template_with_tools_renders_them_the_demonstration_and_the_answers(chat_model):
+    from tests.serve.scripted import QWEN_TEMPLATE
+
+    tokenizer = copy.deepcopy(chat_model[2].tokenizer)
+    tokenizer.chat_template = QWEN_TEMPLATE
+    chat = Chat(tokenizer, chat_model[2].eos_ids)
+    env = Calculator(EnvConfig(demonstration=True, first_tool_choice="calculator"), chat.syntax)
+    text, prefix = chat.opening(env, generate("calculator", 1)[0])
+    assert text.startswith("<|im_start|>system\nCall a function with <tool_call>")
+    assert '"name": "calculator", "description": "evaluate an arithmetic expression"' in text
+    assert '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12 * 34"}}\n' \
+        '</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>408</tool_response>' in text
+    assert prefix == '<tool_call>\n{"name": "calculator", "arguments": '
+    assert text.endswith("<|im_start|>assistant\n" + prefix)
+    assert continuation_text(tokenizer, [{"role": "tool", "content": "1081"}]) == (
+        "<|im_end|>\n<|im_start|>user\n<tool_response>1081</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n")
 
 
 def test_the_token_budget_cuts_an_episode_and_reports_it(chat_model):

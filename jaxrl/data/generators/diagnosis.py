@@ -9,17 +9,9 @@ import random
 
 from jaxrl.data.generators.registry import register
 from jaxrl.data.records import Problem, register_verifier_kind
-from jaxrl.envs.base import Case
-from jaxrl.envs.diagnosis import generate_case
+from jaxrl.envs.diagnosis import generate_case, task_text
 
 register_verifier_kind("diagnosis", {})
-
-
-def task_text(case: Case) -> str:
-    """The user message of a case: its layout, its alerts and what to find."""
-    alerts = "\n".join(f"- {signal}" for signal in case.signals)
-    return (f"{case.context}\n\nAlerts:\n{alerts}\n\nFind the root cause: the fault and the "
-            "component it is on.")
 
 
 @register("diagnosis", "incident cases with evidence on request (the diagnosis environment)",
