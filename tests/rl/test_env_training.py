@@ -1,9 +1,10 @@
 """`jaxrl train` on an environment (data.env) with a tiny random chat model: episodes are
 rolled out, scored by the episode reward on the host workers and trained on; metrics, samples,
 checkpoints (the pending rollout with its policy mask), resume and the adapter export work as
-for single-turn GRPO."""
+for single-turn GRPO; `jaxrl eval` plays the held-out records as greedy episodes."""
 import json
 
+from jaxrl.cli import main
 from jaxrl.config import from_dict
 from jaxrl.rl.loop import train
 
@@ -43,6 +44,15 @@ def test_calculator_training_logs_checkpoints_resumes_and_exports(tiny_chat, tmp
     resumed = train(_cfg(tiny_chat, tmp_path, "calculator", "calculator:20", 3),
                     log=lambda m: None)
     assert [r["step"] for r in _rows(resumed, "metrics.jsonl")] == [1, 2, 3]
+    out = tmp_path / "eval.json"
+    assert main(["eval", "--config", str(run / "config.yaml"), "--adapter", str(run / "adapter"),
+                 "--compare", "--out", str(out), "--batch-size", "4"]) == 0
+    doc = json.loads(out.read_text())
+    for variant in ("base", "adapter"):  # the 4 held-out problems, one greedy episode each
+        metrics = doc["variants"][variant]["tasks"]["calculator"]
+        assert metrics["n"] == 4 and metrics["turns_mean"] == 2
+        assert metrics["valid_call_frac"] == 0 and metrics["accuracy"] == 0
+    assert doc["env"]["name"] == "calculator"
 
 
 def test_diagnosis_runs_a_step(tiny_chat, tmp_path):
