@@ -302,8 +302,8 @@ def test_reward_functions_take_names_or_name_weight_mappings(tmp_path):
 
 def test_reward_functions_errors():
     with _raises("config key 'rewards.functions' names unknown reward 'corectness'; valid "
-                 "rewards: cedar, cedar_coverage, cedar_directionality, correctness, episode, format, "
-                 "spring; "
+                 "rewards: cedar, cedar_coverage, cedar_directionality, correctness, episode, "
+                 "format, spring; "
                  "did you mean 'correctness'?") as err:
         apply_overrides(Config(), ["rewards.functions=[corectness]"])
     assert err.value.exit_code == 2

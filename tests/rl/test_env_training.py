@@ -17,9 +17,10 @@ def _cfg(tiny_chat, tmp_path, env: str, tasks: str, steps: int, **extra):
         "data": {"tasks": [tasks], "prompts_per_step": 2, "env": env,
                  "max_prompt_tokens": 512},
         "sampling": {"max_new_tokens": 12}, "grpo": {"num_generations": 2, "beta": 0.04},
-        # first_tool_choice required: random replies open a call they never close, so each episode has an
-        # unreadable call answered by the environment and a second reply
-        "env": {"max_turns": 3, "max_tokens": 64, "first_tool_choice": "required", "turn_cost": 0.01},
+        # first_tool_choice required: random replies open a call they never close, so each
+        # episode has an unreadable call answered by the environment and a second reply
+        "env": {"max_turns": 3, "max_tokens": 64, "first_tool_choice": "required",
+                "turn_cost": 0.01},
         "rewards": {"functions": ["episode"], "workers": 1, "max_staleness": 1},
         "checkpoint": {"every": 1}, "logging": {"samples_every": 1}, **extra})
 

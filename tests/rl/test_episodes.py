@@ -28,11 +28,12 @@ def chat_model(tiny_chat):
 
 
 def _cfg(**env):
-    # first_tool_choice required: every first reply opens with <tool_call>, which random text never closes,
-    # so the environment answers it and a second reply follows; replies of 20 tokens take two
-    # engine steps (chunks of 16)
+    # first_tool_choice required: every first reply opens with <tool_call>, which random text
+    # never closes, so the environment answers it and a second reply follows; replies of 20
+    # tokens take two engine steps (chunks of 16)
     return from_dict({"data": {"env": "calculator"}, "sampling": {"max_new_tokens": 20},
-                      "env": {"max_turns": 3, "max_tokens": 128, "first_tool_choice": "required", **env}})
+                      "env": {"max_turns": 3, "max_tokens": 128,
+                              "first_tool_choice": "required", **env}})
 
 
 def test_trajectory_logprobs_equal_one_forward_and_env_tokens_are_masked(chat_model):
