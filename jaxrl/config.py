@@ -31,6 +31,7 @@ REWARD_SCALINGS = ("group", "batch", "none")  # rl/advantages.py says what each 
 POLICY_LOSSES = ("grpo", "cispo")  # rl/losses.py gives the math of each
 IMPORTANCE_LEVELS = ("token", "sequence")
 SCHEDULES = ("constant", "cosine")
+REMAT_CHOICES = ("auto", "none", "dots", "full")
 ENV_NAMES = ("calculator", "diagnosis")  # jaxrl/envs/__init__.py registers each
 
 _STRS, _FLOATS = STRS, FLOATS
@@ -169,6 +170,10 @@ class OptimConfig(_Group):
     warmup_steps: int = _setting(0, ge=0)
     schedule: str = _setting("constant", choices=SCHEDULES)
     micro_batch_size: int = _setting(0, ge=0)  # 0 = whole batch
+    # what the update's backward pass recomputes of the forward (jaxrl/rl/remat.py): none saves
+    # every layer's intermediates, dots each projection's output, full only each layer's input; auto
+    # takes the least recomputation whose compiled step fits the device's memory
+    remat: str = _setting("auto", choices=REMAT_CHOICES)
 
 
 @dataclass(frozen=True)

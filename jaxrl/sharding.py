@@ -16,13 +16,25 @@ NF4 kernels (QTensor) shard like their dense kernel: packed codes [L, I/2, O] an
 [L, I/Bk, O] keep the kernel's (layers, in, out) axes; the double-quantization groups and
 offsets, a few floats per layer, are replicated. LoRA A [L, in, r] and B [L, r, out] take the
 axes of the kernel they adapt; the optimizer's moments take those of the LoRA leaf they track.
+The embedding table and the LM head split by the vocab alone, over fsdp and tensor together
+(`head_rules`), and so do the logits.
+
+Inside the programs (what the model asks for, given the rules): a call with many tokens per row
+(prefill, training) gathers each layer's weights over fsdp just before the layer runs
+(`layer_weights`: NF4 codes and scales as stored) and keeps the hidden states split by rows
+(`split_rows`), so no partial sums of activations cross devices; a decode step (one token per
+row) leaves the weights split and reduces its few rows' partial sums instead, which moves far
+fewer bytes than the weights. Logits keep the head's vocab split (`head_logits`), and the
+sampler's top-k runs per vocab part (`vocab_top_k`).
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.experimental import mesh_utils
@@ -151,14 +163,18 @@ def _qtensor(rules: MeshRules, q: QTensor, axes: tuple[str, ...]) -> QTensor:
                      scale_scales=lead_only(q.scale_scales), scale_offset=lead_only(q.scale_offset))
 
 
+HEAD_PATHS = ("embed_tokens/embedding", "lm_head/kernel")  # laid out by `head_rules`
+
+
 def param_shardings(rules: MeshRules, params, spec: ModelSpec):
-    """Shardings for a params pytree (arrays, ShapeDtypeStructs or QTensors of either)."""
+    """Shardings for a params pytree (arrays, ShapeDtypeStructs or QTensors of either): each
+    weight by its logical axes, the embedding table and LM head by `head_rules`."""
     decls = declare(spec)
     out = {}
     for path, leaf in flatten(params).items():
-        axes = decls[path].axes
-        out[path] = (_qtensor(rules, leaf, axes) if isinstance(leaf, QTensor)
-                     else rules.named(axes, leaf.shape))
+        axes, use = decls[path].axes, head_rules(rules) if path in HEAD_PATHS else rules
+        out[path] = (_qtensor(use, leaf, axes) if isinstance(leaf, QTensor)
+                     else use.named(axes, leaf.shape))
     return unflatten(out)
 
 
@@ -195,6 +211,97 @@ def row_shardings(rules: MeshRules, tree):
     """Every leaf split by rows (dim 0); scalars replicated."""
     return jax.tree_util.tree_map(
         lambda a: rules.rows(a.shape) if a.ndim else rules.replicated, tree)
+
+
+def _remapped(rules: MeshRules, moves: dict[str, tuple[str, ...]]) -> MeshRules:
+    """`rules` with the logical axes named in `moves` mapped to other mesh axes."""
+    return MeshRules(rules.mesh, tuple((n, moves.get(n, axes)) for n, axes in rules.rules))
+
+
+def compute_rules(rules: MeshRules) -> MeshRules:
+    """The layout weights are used in by a call with many tokens per row (prefill, training):
+    the hidden dim gathered (FSDP gathers a layer's weights, NF4 codes and scales as stored,
+    just before the layer runs), the tensor splits kept."""
+    return _remapped(rules, {"embed": ()})
+
+
+def head_rules(rules: MeshRules) -> MeshRules:
+    """The layout of the embedding table, the LM head and the logits [rows, ..., V]: the vocab
+    split over every mesh axis that the rules split the hidden dim (FSDP) or the vocab
+    (tensor) over, the rows over the batch axes left over, the hidden dim whole. A head that
+    contracted over an FSDP-split hidden dim would leave partial float32 logits of every row
+    to all-reduce whole; split by the vocab, each device computes its part of the logits from
+    its part of the table, and the log-softmax and the sampler reduce only [rows] maxima and
+    sums and exchange [rows, k] candidates across the split. Each device holds as many bytes
+    of the table as under a hidden-dim split; looking tokens up in it sums [rows, T, E]
+    (the looked-up rows, zero where another part holds them) across the split."""
+    embed = rules.mesh_axes("embed")
+    vocab = embed + tuple(a for a in rules.mesh_axes("vocab") if a not in embed)
+    batch = tuple(a for a in rules.mesh_axes("batch") if a not in vocab)
+    return _remapped(rules, {"batch": batch, "vocab": vocab, "embed": ()})
+
+
+def layer_weights(rules: MeshRules | None, lp, ll, spec: ModelSpec):
+    """One layer's weights `lp` and adapter `ll` (slices of the stacked layers, QTensors
+    included) constrained to `compute_rules`: gathered over the FSDP axes inside the layer
+    loop, so each layer's NF4 codes cross the mesh rather than its activations' partial sums.
+    Unchanged without a mesh."""
+    if rules is None:
+        return lp, ll
+    use, decls = compute_rules(rules), declare(spec)
+    placed = {}
+    for path, leaf in flatten(lp).items():
+        axes = decls[f"layers/{path}"].axes[1:]
+        placed[path] = (_qtensor(use, leaf, axes) if isinstance(leaf, QTensor)
+                        else use.named(axes, leaf.shape))
+    lp = constrain(lp, unflatten(placed))
+    if ll is None:
+        return lp, None
+    adapters = {}
+    for name, ab in ll.items():
+        fan_in, fan_out = decls[f"layers/{name}/kernel"].axes[1:]
+        adapters[name] = {"a": use.named((fan_in, "lora_rank"), ab["a"].shape),
+                          "b": use.named(("lora_rank", fan_out), ab["b"].shape)}
+    return lp, constrain(ll, adapters)
+
+
+def split_rows(rules: MeshRules | None, x: jax.Array) -> jax.Array:
+    """x [B, ...] constrained to rows split over the batch axes, every other dim whole (the
+    hidden states between layers); unchanged without a mesh."""
+    return x if rules is None else jax.lax.with_sharding_constraint(x, rules.rows(x.shape))
+
+
+def head_logits(rules: MeshRules | None, logits: jax.Array) -> jax.Array:
+    """Logits [rows, ..., V] constrained to `head_rules` (unchanged without a mesh)."""
+    if rules is None:
+        return logits
+    axes = ("batch",) + (None,) * (logits.ndim - 2) + ("vocab",)
+    return jax.lax.with_sharding_constraint(logits, head_rules(rules).named(axes, logits.shape))
+
+
+def vocab_top_k(rules: MeshRules | None, rows: int, vocab: int):
+    """`lax.top_k` for logits [rows, V] laid out by `head_logits`. Where the mesh splits V,
+    each device takes the top k of its part (`shard_map`: XLA's partitioner would gather the
+    logits whole for a top_k), then the top k of those [rows, parts * k] candidates follows:
+    the same values and indices as one top_k over V (ties go to the lower index), with only
+    the candidates crossing between devices."""
+    spec = None if rules is None else head_rules(rules).spec(("batch", "vocab"), (rows, vocab))
+    split = () if spec is None or spec[1] is None else spec[1]
+    split = (split,) if isinstance(split, str) else tuple(split)
+    if not split:
+        return jax.lax.top_k
+    width = vocab // math.prod(rules.mesh.shape[a] for a in split)
+
+    def part_top_k(x, k):
+        values, ids = jax.lax.top_k(x, min(k, width))
+        return values, ids + jax.lax.axis_index(split) * width
+
+    def top_k(x, k):
+        values, ids = jax.shard_map(functools.partial(part_top_k, k=k), mesh=rules.mesh,
+                                    in_specs=spec, out_specs=(spec, spec))(x)
+        values, best = jax.lax.top_k(values, k)
+        return values, jnp.take_along_axis(ids, best, axis=-1)
+    return top_k
 
 
 def constrain(tree, shardings):

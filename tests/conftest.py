@@ -6,12 +6,20 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from jaxrl.hf.default_model import cache_root  # noqa: E402  (imports no jax)
 
-# the directory `jaxrl` itself uses (jaxrl.cli.enable_compilation_cache)
+# the directory `jaxrl` itself uses (jaxrl.cli.enable_compilation_cache), for the `jaxrl`
+# processes the tests start
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(cache_root() / "jax-compile"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
 
-import pytest  # noqa: E402  (the environment above must be set before anything imports jax)
+import jax  # noqa: E402  (the environment above must be set before anything imports jax)
+import pytest  # noqa: E402
+
+# The test process itself keeps compiled programs in memory only: after several hundred
+# programs, jaxlib 0.10.2's CPU executable serialization crashed the process (SIGSEGV inside
+# `executable.serialize()` while writing the persistent cache), and a fresh CI machine starts
+# with an empty cache anyway.
+jax.config.update("jax_enable_compilation_cache", False)
 
 
 @pytest.fixture(scope="session")

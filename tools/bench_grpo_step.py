@@ -1,57 +1,52 @@
-"""Seconds per GRPO step: jaxrl against TRL's GRPOTrainer (torch CPU), same model and setup,
-measured in one run with the systems interleaved step by step.
+"""Seconds per GRPO step: TRL's GRPOTrainer (torch, CPU) against `jaxrl bench step`, each
+system in processes of its own with its own defaults, alternating round by round
+(tools/peers.py).
 
-Setup: SmolLM2-135M-Instruct, LoRA r 16 (alpha 32) on all seven projections,
-4 prompts x G = 4 completions, exactly N new tokens (EOS ignored: jaxrl `eos_ids=()`, TRL
-`min_new_tokens=N`), temperature 1, beta 0.04 (a reference pass every step), mu = 1, no vLLM. The
-prompts are generated arithmetic records under a short system line (58 tokens; jaxrl pads them to
-its 64-token bucket). The reward is trivial (distinct characters of the completion) so that the
-groups have spread; reward time is negligible for both.
+Setup: SmolLM2-135M-Instruct, LoRA r 16 (alpha 32) on all seven projections, 4 prompts x G = 4
+completions of exactly N new tokens (EOS ignored: `jaxrl bench` ignores it, TRL gets
+`min_new_tokens=N`), temperature 1, beta 0.04 (a reference pass every step), one update per
+rollout, no vLLM. TRL: arithmetic records under a short system line as chat prompts (58
+tokens), a trivial reward (distinct characters), fp32 (its default bf16 autocast is slower on
+a CPU) and its other defaults (gradient checkpointing on, torch's threads). jaxrl: `jaxrl bench
+step` on the quickstart config with this setup, bf16 base weights (quant.mode none), random
+prompts as long as the longest chat prompt, and each --remat policy.
 
-A jaxrl step is what `jaxrl.rl.loop` runs, timed per phase with every result fetched: `sample`
--> reference log-probs of the frozen base (as `Session.reference_logprobs`) -> advantages -> the
-compiled train step. A TRL step runs from the trainer's `on_step_begin` to its `on_step_end`; its
-sampling phase is `_generate` and its reference phase the rest of `_generate_and_score_completions`
-(timed by a subclass). TRL runs in fp32 (its bf16 autocast is slower on CPU) with GRPOConfig's
-default gradient checkpointing, as jaxrl rematerializes each layer.
+A TRL process trains 1 + --steps steps; a step runs from its `on_step_begin` to its
+`on_step_end`, its sampling is `_generate` and its reference phase the rest of
+`_generate_and_score_completions` (timed by a subclass); the first step is not counted. A jaxrl
+process compiles in its first step and times --steps more. Each process's figure is its median
+step; speed-up = TRL / jaxrl within a round.
 
-jaxrl compiles in one step before TRL starts; after every TRL step a callback runs one step of
-each jaxrl configuration, so all of them see the same machine load. TRL's first (warm-up) step and
-the jaxrl steps beside it are not timed. On a shared machine a burst of other work can double one
-step, so the table gives the fastest timed step (with its phases) and the median of each.
-
-    python tools/bench_grpo_step.py                      # the docs/benchmarks.md table
-    python tools/bench_grpo_step.py --dtypes bfloat16,float32 --new-tokens 64 --steps 2
+    python tools/bench_grpo_step.py --trl-python /tmp/trlvenv/bin/python   # TRL in its venv
+    python tools/bench_grpo_step.py --remat auto,full --rounds 3
 """
 from __future__ import annotations
 
 import argparse
-import os
+import json
 import statistics
+import sys
 import tempfile
 import time
-
-import numpy as np
-
-# Idle OpenMP threads sleep instead of spinning: on a shared machine (more runnable threads than
-# cores) spinning made torch 2.5x (forward + backward) to 7x (generate) slower on 2 threads here,
-# which would inflate TRL's time; XLA's thread pool is not affected. Set before torch loads.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 SYSTEM = "You are a careful reasoner."
 PROMPTS, GROUP, RANK, ALPHA, BETA, LR = 4, 4, 16, 32.0, 0.04, 1e-5
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PHASES = ("rollout", "reference", "update")
 
 
 def _args():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="default", help="model PATH (default: `default`)")
-    parser.add_argument("--new-tokens", default="64,128", help="comma-separated N")
-    parser.add_argument("--steps", type=int, default=3, help="timed steps after the first")
-    parser.add_argument("--dtypes", default="bfloat16",
-                        help="jaxrl base weight dtypes, comma-separated (e.g. bfloat16,float32)")
+    parser.add_argument("--new-tokens", type=int, default=64, help="N (64)")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per process (3)")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of alternation (2)")
+    parser.add_argument("--remat", default="auto", help="jaxrl optim.remat policies, "
+                        "comma-separated (auto)")
+    parser.add_argument("--trl-python", default=sys.executable,
+                        help="the Python of an environment with trl, peft and datasets")
     parser.add_argument("--trl-precision", default="fp32", choices=("fp32", "bf16"),
-                        help="TRL: fp32, or bf16 autocast (GRPOConfig's default, slower on CPU)")
+                        help="TRL: fp32, or GRPOConfig's default bf16 autocast")
     return parser.parse_args()
 
 
@@ -59,195 +54,132 @@ def distinct_chars(completions, **_) -> list[float]:
     return [float(len(set(c))) for c in completions]
 
 
-def prompt_texts(tokenizer) -> list[str]:
-    from jaxrl.data.generators import generate
-    from jaxrl.hf.tokenizer import chat_prompt_text
-
-    records = generate("arithmetic", PROMPTS)
-    return [chat_prompt_text(tokenizer, [{"role": "system", "content": SYSTEM},
-                                         r["messages"][-1]]) + "<think>" for r in records]
-
-
-class JaxrlRunner:
-    """One jaxrl configuration (weight dtype, N): params, adapter, optimizer state, programs."""
-
-    def __init__(self, spec, params, tokenizer, prompts: list[str], new_tokens: int):
-        import jax
-
-        from jaxrl.config import GrpoConfig, OptimConfig, SamplingConfig
-        from jaxrl.hf.tokenizer import detokenizer, text_ids
-        from jaxrl.lora.lora import init_lora
-        from jaxrl.rl.logprobs import token_logprobs
-        from jaxrl.rl.train_step import (StepOptions, compile_train_step, init_train_state,
-                                         make_optimizer)
-
-        self.spec, self.params, self.detokenize = spec, params, detokenizer(tokenizer)
-        self.rows = [text_ids(tokenizer, p) for p in prompts for _ in range(GROUP)]
-        self.sampling = SamplingConfig(temperature=1.0, max_new_tokens=new_tokens)
-        self.key = jax.random.PRNGKey(0)
-        lora = init_lora(spec, jax.random.PRNGKey(1), rank=RANK, alpha=ALPHA, targets=TARGETS)
-        optimizer, _ = make_optimizer(OptimConfig(lr=LR), 100)
-        self.state = init_train_state(lora, optimizer)
-        grpo = GrpoConfig(num_generations=GROUP, beta=BETA)
-        self.train_step = compile_train_step(spec, optimizer, StepOptions(
-            grpo=grpo, temperature=1.0, max_new_tokens=new_tokens))
-        self.reference = jax.jit(lambda params, tokens, mask, positions, width: token_logprobs(
-            params, spec, tokens, positions, mask, None, start=tokens.shape[1] - width,
-            temperature=1.0, remat=False)[0], static_argnums=4)
-        self.times: list[dict[str, float]] = []
-
-    def step(self, i: int) -> None:
-        import jax
-
-        from jaxrl.rl.advantages import compute_advantages
-        from jaxrl.rl.loop import make_batch
-        from jaxrl.rl.rollout import Rollout
-        from jaxrl.sampling.sampler import sample
-
-        start = time.perf_counter()
-        out = sample(self.params, self.spec, self.rows, jax.random.fold_in(self.key, i),
-                     self.sampling, lora=self.state.lora, eos_ids=(), detokenize=self.detokenize)
-        assert out.mask.all(), "EOS is ignored, so every row decodes every token"
-        sampled = time.perf_counter()
-        adv = compute_advantages(np.asarray(distinct_chars(out.texts), np.float32), GROUP)
-        batch = make_batch(Rollout(i, [], [], out), np.asarray(adv.advantages),
-                           np.asarray(adv.keep))
-        ref = self.reference(self.params, batch.tokens, batch.attn_mask, batch.positions,
-                             out.tokens.shape[1]).block_until_ready()
-        referenced = time.perf_counter()
-        self.state, metrics = self.train_step(self.state, self.params, batch.replace(ref_logp=ref))
-        metrics = jax.device_get(metrics)
-        assert np.isfinite(metrics["loss"]), metrics
-        end = time.perf_counter()
-        self.times.append({"step": end - start, "sample": sampled - start,
-                           "reference": referenced - sampled, "update": end - referenced})
-
-
-def trl_trainer(model_dir, tokenizer, prompts: list[str], new_tokens: int, steps: int,
-                precision: str, callback, out_dir: str):
-    """GRPOTrainer with the setup above; `.times` collects each step's phases."""
+def trl_worker(spec_file: str, result_file: str) -> None:
+    """Trains with GRPOTrainer as the spec says; appends {"steps": [phases per timed step]}."""
     from datasets import Dataset
     from peft import LoraConfig
-    from transformers import TrainerCallback
+    from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
+
+    spec = json.loads(open(spec_file).read())
+    n, times, current = spec["new_tokens"], [], {}
 
     class TimedTrainer(GRPOTrainer):
         def _generate(self, *args, **kwargs):
             start = time.perf_counter()
             result = super()._generate(*args, **kwargs)
-            self.current["sample"] = time.perf_counter() - start
+            current["sample"] = time.perf_counter() - start
             return result
 
         def _generate_and_score_completions(self, *args, **kwargs):
             start = time.perf_counter()
             result = super()._generate_and_score_completions(*args, **kwargs)
-            self.current["rollout"] = time.perf_counter() - start
+            current["scored"] = time.perf_counter() - start
             return result
 
     class StepTimes(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
-            trainer.current = {"begin": time.perf_counter()}
+            current["begin"] = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
-            c = trainer.current
-            step = time.perf_counter() - c["begin"]
-            trainer.times.append({"step": step, "sample": c["sample"],
-                                  "reference": c["rollout"] - c["sample"],
-                                  "update": step - c["rollout"]})
-            callback(state.global_step)
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            trainer.lengths.append(logs.get("completions/mean_length"))
+            step = time.perf_counter() - current["begin"]
+            times.append({"rollout": current["sample"],
+                          "reference": current["scored"] - current["sample"],
+                          "update": step - current["scored"], "step": step})
 
     config = GRPOConfig(
-        output_dir=out_dir, per_device_train_batch_size=PROMPTS * GROUP, num_generations=GROUP,
-        max_completion_length=new_tokens, generation_kwargs={"min_new_tokens": new_tokens},
-        temperature=1.0, beta=BETA, learning_rate=LR, use_vllm=False, max_steps=steps,
-        logging_steps=1, report_to="none", save_strategy="no", use_cpu=True,
-        bf16=precision == "bf16", disable_tqdm=True, seed=0)
+        output_dir=tempfile.mkdtemp(), per_device_train_batch_size=PROMPTS * GROUP,
+        num_generations=GROUP, max_completion_length=n, generation_kwargs={"min_new_tokens": n},
+        temperature=1.0, beta=BETA, learning_rate=LR, use_vllm=False,
+        max_steps=spec["steps"] + 1, logging_steps=1, report_to="none", save_strategy="no",
+        use_cpu=True, bf16=spec["precision"] == "bf16", disable_tqdm=True, seed=0)
     peft = LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=list(TARGETS),
                       task_type="CAUSAL_LM")
-    dataset = Dataset.from_dict({"prompt": prompts * steps})
-    trainer = TimedTrainer(model=str(model_dir), reward_funcs=distinct_chars, args=config,
-                           train_dataset=dataset, processing_class=tokenizer, peft_config=peft,
-                           callbacks=[StepTimes()])
-    trainer.times, trainer.lengths, trainer.current = [], [], {}
-    return trainer
+    trainer = TimedTrainer(model=spec["model_dir"], reward_funcs=distinct_chars, args=config,
+                           train_dataset=Dataset.from_dict({"prompt": spec["prompts"] * 64}),
+                           processing_class=AutoTokenizer.from_pretrained(spec["model_dir"]),
+                           peft_config=peft, callbacks=[StepTimes()])
+    trainer.train()
+    import torch
+
+    with open(result_file, "a") as f:
+        f.write(json.dumps({"steps": times[1:], "torch_threads": torch.get_num_threads()}) + "\n")
 
 
-def best_and_median(times: list[dict[str, float]]) -> tuple[dict[str, float], float]:
-    """The fastest step (with its phases) and the median step time."""
-    return min(times, key=lambda t: t["step"]), statistics.median(t["step"] for t in times)
+def _prompts(model: str) -> tuple[str, list[str], int]:
+    """(model directory, chat prompt texts, the longest one's token count)."""
+    from jaxrl.data.generators import generate
+    from jaxrl.hf.default_model import resolve_model_path
+    from jaxrl.hf.tokenizer import chat_prompt_text, load_tokenizer, text_ids
+
+    model_dir = resolve_model_path(model)
+    tokenizer = load_tokenizer(model_dir)
+    texts = [chat_prompt_text(tokenizer, [{"role": "system", "content": SYSTEM},
+                                          r["messages"][-1]]) + "<think>"
+             for r in generate("arithmetic", PROMPTS)]
+    return str(model_dir), texts, max(len(text_ids(tokenizer, t)) for t in texts)
 
 
-def _cell(phases: dict[str, float]) -> str:
-    return (f"{phases['step']:.1f} ({phases['sample']:.1f} + {phases['reference']:.1f} + "
-            f"{phases['update']:.1f})")
+def _jaxrl_worker(args, policy: str, prompt_tokens: int):
+    from peers import jaxrl_bench
+
+    overrides = [f"model.path={args.model}", "model.dtype=bfloat16", "quant.mode=none",
+                 f"lora.rank={RANK}", f"lora.alpha={ALPHA}", f"data.prompts_per_step={PROMPTS}",
+                 f"grpo.num_generations={GROUP}", f"grpo.beta={BETA}", "grpo.epsilon_high=0.2",
+                 "sampling.temperature=1.0", f"sampling.max_new_tokens={args.new_tokens}",
+                 f"optim.lr={LR}", "optim.warmup_steps=0", f"optim.remat={policy}"]
+    return jaxrl_bench("step", ["--steps", str(args.steps), "--prompt-tokens",
+                                str(prompt_tokens)], overrides)
 
 
-def run_length(n, args, model_dir, tokenizer, prompts, params) -> list[str]:
-    """One table row: TRL and every jaxrl dtype at N new tokens, interleaved."""
-    runners = {}
-    for dtype, (spec, p) in params.items():
-        runners[dtype] = JaxrlRunner(spec, p, tokenizer, prompts, n)
-        runners[dtype].step(0)  # compilation
-        print(f"  jaxrl {dtype} N={n}: first step (compiles) "
-              f"{runners[dtype].times[0]['step']:.1f} s", flush=True)
-    loads = []
+def _median_phases(steps: list[dict]) -> dict[str, float]:
+    return {k: statistics.median(s[k] for s in steps) for k in (*PHASES, "step")}
 
-    def after_trl_step(step: int) -> None:
-        loads.append(os.getloadavg()[0])
-        for runner in runners.values():
-            runner.step(step)
-        print(f"  N={n} step {step}: TRL {_cell(trainer.times[-1])}, " + ", ".join(
-            f"jaxrl {d} {_cell(r.times[-1])}" for d, r in runners.items()), flush=True)
 
-    with tempfile.TemporaryDirectory() as out_dir:
-        trainer = trl_trainer(model_dir, tokenizer, prompts, n, args.steps + 1,
-                              args.trl_precision, after_trl_step, out_dir)
-        trainer.train()
-    assert all(length == n for length in trainer.lengths if length is not None), trainer.lengths
-    trl, trl_median = best_and_median(trainer.times[1:])
-    cells = [f"{n}", f"{_cell(trl)}, {trl_median:.1f}"]
-    for runner in runners.values():
-        mine, median = best_and_median(runner.times[2:])
-        cells += [f"{_cell(mine)}, {median:.1f}",
-                  f"{trl['step'] / mine['step']:.2f}x, {trl_median / median:.2f}x"]
-    cells.append(f"{statistics.mean(loads):.1f}")
-    return cells
+def _cell(p: dict[str, float]) -> str:
+    return f"{p['step']:.1f} ({p['rollout']:.1f} + {p['reference']:.1f} + {p['update']:.1f})"
 
 
 def main() -> None:
     args = _args()
-    import jax.numpy as jnp
-    import torch
+    from peers import alternate, load_range
 
-    from jaxrl.hf.default_model import resolve_model_path
-    from jaxrl.hf.load import load_params
-    from jaxrl.hf.tokenizer import load_tokenizer
-
-    model_dir = resolve_model_path(args.model)
-    tokenizer = load_tokenizer(model_dir)
-    prompts = prompt_texts(tokenizer)
-    dtypes = args.dtypes.split(",")
-    params = {d: load_params(model_dir, dtype=jnp.dtype(d)) for d in dtypes}
-    print(f"model {model_dir.name}, {PROMPTS} prompts x G {GROUP}, prompt "
-          f"{len(tokenizer(prompts[0], add_special_tokens=False)['input_ids'])} tokens, TRL "
-          f"{args.trl_precision}, torch {torch.__version__} threads {torch.get_num_threads()}, "
-          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}", flush=True)
-    header = ["N", f"TRL {args.trl_precision}"]
-    for d in dtypes:
-        header += [f"jaxrl {d}", "speed-up"]
-    lines = ["| " + " | ".join(header + ["load"]) + " |",
-             "| " + " | ".join(["---:"] * (len(header) + 1)) + " |"]
-    for n in args.new_tokens.split(","):
-        lines.append("| " + " | ".join(run_length(int(n), args, model_dir, tokenizer, prompts,
-                                                 params)) + " |")
-        print(lines[-1], flush=True)
-    print("\nseconds per step: fastest timed step (sampling + reference + update), median step; "
-          "speed-up: TRL / jaxrl of the fastest, of the medians; load: 1-minute load average\n")
+    model_dir, prompts, prompt_tokens = _prompts(args.model)
+    spec = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
+    json.dump({"model_dir": model_dir, "prompts": prompts, "new_tokens": args.new_tokens,
+               "steps": args.steps, "precision": args.trl_precision}, spec)
+    spec.close()
+    workers = {"TRL": lambda out: [args.trl_python, __file__, "trl", spec.name, out]}
+    policies = args.remat.split(",")
+    for policy in policies:
+        workers[f"jaxrl remat {policy}"] = _jaxrl_worker(args, policy, prompt_tokens)
+    print(f"{model_dir}: {PROMPTS} prompts x G {GROUP}, prompt {prompt_tokens} tokens, "
+          f"{args.new_tokens} new tokens; {args.rounds} rounds", flush=True)
+    rounds = alternate(workers, args.rounds)
+    header = ["round", f"TRL {args.trl_precision}"]
+    for policy in policies:
+        header += [f"jaxrl remat {policy}", "speed-up"]
+    lines = ["| " + " | ".join(header + ["load"]) + " |", "|" + " ---: |" * (len(header) + 1)]
+    ratios = {p: [] for p in policies}
+    for i, r in enumerate(rounds, 1):
+        trl = _median_phases(r["TRL"]["rows"][0]["steps"])
+        cells = [str(i), _cell(trl)]
+        for policy in policies:
+            row = r[f"jaxrl remat {policy}"]["rows"][0]
+            mine = {**row["median_s"]}
+            ratios[policy].append(trl["step"] / mine["step"])
+            cells += [f"{_cell(mine)} [{row['remat']}]", f"{ratios[policy][-1]:.2f}x"]
+        lines.append("| " + " | ".join(cells + [load_range([r])]) + " |")
+    print("\nseconds per step, median of each process's timed steps (rollout + reference + "
+          "update); [the remat policy the step ran]; load: 1-minute load average range\n")
     print("\n".join(lines))
+    for policy, values in ratios.items():
+        print(f"jaxrl remat {policy}: speed-up {min(values):.2f}x-{max(values):.2f}x over "
+              f"{len(values)} rounds")
 
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) == 4 and sys.argv[1] == "trl":
+        trl_worker(sys.argv[2], sys.argv[3])
+    else:
+        main()

@@ -1,20 +1,23 @@
 """Rationale filtration throughput: records per second, jaxrl against transformers doing the
-same computation in the same run.
+same computation, each in processes of its own with its own defaults, alternating round by round
+(tools/peers.py).
 
 Each record is scored twice (with and without its rationale): S = sum_i 0.9^i log p(token i
 of `following` | preceding [+ rationale]) over the first 128 following tokens. jaxrl:
-`jaxrl.rationale.filter.filter_records` (batched and bucketed by length, jitted; one warm-up
-call compiles). transformers: the same token ids, sorted by length and right-padded in batches
-of --torch-batch, one forward pass per batch with the LM head applied only at the scored
-positions. Both fp32 on the CPU. The two implementations' scores are compared as a check.
+`jaxrl.rationale.filter.filter_records` (batched and bucketed by length, jitted; a first call
+compiles and is timed apart). transformers: the same token ids, sorted by length and
+right-padded in batches of --torch-batch, one forward pass per batch with the LM head applied
+only at the scored positions, after a warm-up on 4 records; torch keeps its thread settings.
+Both fp32 on the CPU. The two implementations' scores are compared as a check.
 
-    python tools/bench_rationale_filter.py [--model default] [--records 64]
+    python tools/bench_rationale_filter.py [--model default] [--records 64] [--rounds 2]
 """
 from __future__ import annotations
 
 import argparse
-import os
+import json
 import random
+import sys
 import time
 
 import numpy as np
@@ -80,49 +83,79 @@ def torch_scores(model, tok, records, batch: int, decay: float = 0.9, cap: int =
     return out
 
 
+def transformers_worker(model_dir: str, records: int, batch: int, result_file: str) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    recs = make_records(records)
+    torch_scores(model, tokenizer, recs[:4], batch)  # warm-up
+    start = time.perf_counter()
+    scores = torch_scores(model, tokenizer, recs, batch)
+    _write(result_file, {"seconds": time.perf_counter() - start, "scores": scores.tolist(),
+                         "torch_threads": torch.get_num_threads()})
+
+
+def jaxrl_worker(model_path: str, records: int, tokens_per_batch: int, result_file: str) -> None:
+    from jaxrl.hf.pretrained import load_pretrained
+    from jaxrl.rationale.filter import FilterSettings, filter_records
+    from jaxrl.rationale.scoring import ScoreOptions
+
+    recs = make_records(records)
+    model = load_pretrained(model_path)
+    settings = FilterSettings(score=ScoreOptions(tokens_per_batch=tokens_per_batch))
+    start = time.perf_counter()
+    filter_records(model, recs, settings)
+    first = time.perf_counter() - start
+    start = time.perf_counter()
+    ours = filter_records(model, recs, settings)
+    seconds = time.perf_counter() - start
+    scores = np.array([[r["score_with"], r["score_without"]] for r in ours]).reshape(-1)
+    tokens = sum(len(model.ids(r["following"])[:128]) for r in recs)
+    _write(result_file, {"seconds": seconds, "first_s": first, "scores": scores.tolist(),
+                         "tokens": tokens})
+
+
+def _write(path: str, figures: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(figures) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="default")
     parser.add_argument("--records", type=int, default=64)
     parser.add_argument("--torch-batch", type=int, default=16)
     parser.add_argument("--tokens-per-batch", type=int, default=8192)
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of alternation (2)")
     args = parser.parse_args()
+    from jaxrl.hf.default_model import resolve_model_path
+    from peers import alternate, load_range
 
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from jaxrl.hf.pretrained import load_pretrained
-    from jaxrl.rationale.filter import FilterSettings, filter_records
-    from jaxrl.rationale.scoring import ScoreOptions
-
-    torch.set_num_threads(os.cpu_count() or 1)
-    records = make_records(args.records)
-    model = load_pretrained(args.model)
-    settings = FilterSettings(score=ScoreOptions(tokens_per_batch=args.tokens_per_batch))
-    start = time.perf_counter()
-    filter_records(model, records, settings)
-    first = time.perf_counter() - start
-    start = time.perf_counter()
-    ours = filter_records(model, records, settings)
-    jax_s = time.perf_counter() - start
-    hf = AutoModelForCausalLM.from_pretrained(model.path, dtype=torch.float32).eval()
-    torch_scores(hf, model.tokenizer, records[:4], args.torch_batch)  # warm-up
-    start = time.perf_counter()
-    theirs = torch_scores(hf, model.tokenizer, records, args.torch_batch)
-    torch_s = time.perf_counter() - start
-    mine = np.array([[r["score_with"], r["score_without"]] for r in ours]).reshape(-1)
-    tokens = sum(len(model.ids(r["following"])[:128]) for r in records)
-    print(f"{args.records} records ({2 * args.records} scored sequences, {tokens} following "
-          f"tokens), model {model.path.name}, load average {os.getloadavg()[0]:.1f}, "
-          f"max |score difference| {np.abs(mine - theirs).max():.2e}")
-    print("| implementation | seconds | records/s |")
-    print("| --- | --- | --- |")
-    print(f"| jaxrl `filter_records` (first call, compiling) | {first:.2f} | "
-          f"{args.records / first:.1f} |")
-    print(f"| jaxrl `filter_records` | {jax_s:.2f} | {args.records / jax_s:.1f} |")
-    print(f"| transformers {args.torch_batch}-row batches | {torch_s:.2f} | "
-          f"{args.records / torch_s:.1f} |")
+    model_dir = str(resolve_model_path(args.model))
+    n = str(args.records)
+    rounds = alternate({
+        "jaxrl": lambda out: [sys.executable, __file__, "jaxrl", model_dir, n,
+                              str(args.tokens_per_batch), out],
+        "transformers": lambda out: [sys.executable, __file__, "transformers", model_dir, n,
+                                     str(args.torch_batch), out]}, args.rounds)
+    print("| round | jaxrl first call, compiling (s) | jaxrl (s) | transformers "
+          f"{args.torch_batch}-row batches (s) | jaxrl / transformers time | max score "
+          "difference | load |", "| ---: " * 7 + "|", sep="\n")
+    for i, r in enumerate(rounds, 1):
+        ours, theirs = r["jaxrl"]["rows"][0], r["transformers"]["rows"][0]
+        diff = np.abs(np.array(ours["scores"]) - np.array(theirs["scores"])).max()
+        print(f"| {i} | {ours['first_s']:.1f} | {ours['seconds']:.1f} | {theirs['seconds']:.1f} "
+              f"| {ours['seconds'] / theirs['seconds']:.2f} | {diff:.1e} | {load_range([r])} |")
+    print(f"{args.records} records ({2 * args.records} scored sequences, "
+          f"{rounds[0]['jaxrl']['rows'][0]['tokens']} following tokens), {model_dir}")
 
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) == 6 and sys.argv[1] == "transformers":
+        transformers_worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
+    elif len(sys.argv) == 6 and sys.argv[1] == "jaxrl":
+        jaxrl_worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
+    else:
+        main()

@@ -1,22 +1,23 @@
-"""Sampler throughput: jaxrl (fp32 and bf16 weights) against transformers `generate` (torch,
-fp32) on the same model, prompt and settings, in one run.
+"""Sampler throughput: transformers' `generate` (torch, fp32) against `jaxrl bench sample`
+(fp32 and bf16 weights) on the same model and shapes, each in processes of its own with its own
+defaults, alternating round by round (tools/peers.py).
 
-Every configuration decodes a fixed number of new tokens with EOS ignored from one chat prompt
-repeated over the batch; tokens per second = batch * new tokens / wall time of one call, after
-one warm-up call (jaxrl's warm-up compiles). For each batch and mode the three implementations run
-back to back, so their ratio is measured under the same machine load; the last column is the
-1-minute load average after the row (2 cores: above ~2 other jobs compete for them).
+Every configuration decodes --new-tokens new tokens with EOS ignored from prompts of the chat
+prompt's length, repeated over the batch (transformers: the chat prompt itself; jaxrl: random
+ids of its length, the same computation); tokens per second = batch * new tokens / seconds of
+one call, prefill included, the median of --repeats calls after a warm-up one (which compiles
+jaxrl's programs). transformers runs with torch's own thread settings.
 
-    python tools/bench_sampler.py                       # the docs/benchmarks.md table
-    python tools/bench_sampler.py --batches 1,8 --new-tokens 32 --modes greedy
+    python tools/bench_sampler.py                        # the docs/benchmarks.md table
+    python tools/bench_sampler.py --batches 1,8 --new-tokens 32 --modes greedy --rounds 1
 """
 from __future__ import annotations
 
 import argparse
-import os
+import json
+import statistics
+import sys
 import time
-
-import numpy as np
 
 PROMPT = ("Explain in a few short paragraphs why the sky is blue during the day and red at "
           "sunset, and mention Rayleigh scattering.")
@@ -28,83 +29,103 @@ def _args():
     parser.add_argument("--model", default="default", help="model PATH (default: `default`)")
     parser.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes")
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--modes", default="greedy,t0.8", help=f"of {', '.join(MODES)}")
-    parser.add_argument("--repeats", type=int, default=1, help="timed calls (best one counts)")
+    parser.add_argument("--modes", default="greedy", help=f"of {', '.join(MODES)}")
+    parser.add_argument("--repeats", type=int, default=2, help="timed calls per batch (2)")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of alternation (2)")
     return parser.parse_args()
 
 
-def _best_rate(fn, batch, new_tokens, repeats):
-    fn()  # warm-up (compilation for jaxrl)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return batch * new_tokens / best
-
-
-def _jaxrl_runner(params, spec, prompt_ids, batch, temperature, new_tokens):
-    import jax
-
-    from jaxrl.config import SamplingConfig
-    from jaxrl.sampling import sample
-
-    cfg = SamplingConfig(temperature=temperature, max_new_tokens=new_tokens)
-
-    def run():
-        out = sample(params, spec, [prompt_ids] * batch, jax.random.PRNGKey(0), cfg, eos_ids=())
-        assert out.mask.all(), "EOS is ignored, so every row decodes every token"
-    return run
-
-
-def _hf_runner(model, prompt_ids, batch, temperature, new_tokens):
+def transformers_worker(model_dir: str, batches: str, new_tokens: int, temperature: float,
+                        repeats: int, result_file: str) -> None:
+    """generate() at each batch size; appends one JSON line per batch."""
     import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    ids = torch.tensor([prompt_ids] * batch)
-    sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}],
+                                        add_generation_prompt=True)
+    ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # EOS ignored, as jaxrl bench does
+    sampling = (dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature
+                else dict(do_sample=False))
+    with open(result_file, "a") as f:
+        for batch in map(int, batches.split(",")):
+            prompt = torch.tensor([ids] * batch)
+            times = []
+            for _ in range(repeats + 1):
+                start = time.perf_counter()
+                with torch.no_grad():
+                    out = model.generate(prompt, attention_mask=torch.ones_like(prompt),
+                                         max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                         pad_token_id=0, **sampling)
+                times.append(time.perf_counter() - start)
+                assert out.shape[1] == prompt.shape[1] + new_tokens
+            seconds = statistics.median(times[1:])
+            f.write(json.dumps({"batch": batch, "prompt_tokens": len(ids), "seconds": seconds,
+                                "tok_s": batch * new_tokens / seconds,
+                                "torch_threads": torch.get_num_threads()}) + "\n")
 
-    def run():
-        with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids),
-                                 max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                 pad_token_id=0, **(sampling if temperature else
-                                                    dict(do_sample=False)))
-        assert out.shape[1] == ids.shape[1] + new_tokens
-    return run
+
+def _prompt_tokens(model_dir) -> int:
+    from jaxrl.hf.tokenizer import chat_prompt_ids, load_tokenizer
+
+    return len(chat_prompt_ids(load_tokenizer(model_dir), [{"role": "user", "content": PROMPT}]))
+
+
+def _workers(args, model_dir, prompt_tokens: int, mode: str) -> dict:
+    from peers import jaxrl_bench
+
+    t = MODES[mode]
+    workers = {"transformers fp32": lambda out: [
+        sys.executable, __file__, "transformers", str(model_dir), args.batches,
+        str(args.new_tokens), str(t), str(args.repeats), out]}
+    for dtype in ("float32", "bfloat16"):
+        workers[f"jaxrl {dtype}"] = jaxrl_bench(
+            "sample", ["--batches", args.batches, "--prompt-tokens", str(prompt_tokens),
+                       "--repeats", str(args.repeats)],
+            [f"model.path={args.model}", f"model.dtype={dtype}", "quant.mode=none",
+             f"sampling.temperature={t}", f"sampling.max_new_tokens={args.new_tokens}"])
+    return workers
+
+
+def _rate(row: dict, new_tokens: int) -> float:
+    """Tokens/s of a row: transformers' directly, jaxrl's over its prefill plus decode."""
+    if "tok_s" in row:
+        return row["tok_s"]
+    return row["batch"] * new_tokens / (row["prefill_s"] + row["decode_s"])
 
 
 def main() -> None:
     args = _args()
-    import jax.numpy as jnp
-    import torch
-    from transformers import AutoModelForCausalLM
-
     from jaxrl.hf.default_model import resolve_model_path
-    from jaxrl.hf.load import load_params
-    from jaxrl.hf.tokenizer import chat_prompt_ids, load_tokenizer
+    from peers import alternate, load_range
 
     model_dir = resolve_model_path(args.model)
-    prompt_ids = chat_prompt_ids(load_tokenizer(model_dir), [{"role": "user", "content": PROMPT}])
-    spec, p32 = load_params(model_dir, dtype=jnp.float32)
-    _, p16 = load_params(model_dir, spec, dtype=jnp.bfloat16)
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    hf.generation_config.eos_token_id = None  # EOS ignored, as for jaxrl (eos_ids=())
-    print(f"model {model_dir.name}, prompt {len(prompt_ids)} tokens, {args.new_tokens} new "
-          f"tokens, torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f}")
-    print("| batch | mode | transformers fp32 | jaxrl fp32 | ratio | jaxrl bf16 | ratio | load |")
-    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for batch in (int(b) for b in args.batches.split(",")):
-        for mode in args.modes.split(","):
-            t = MODES[mode]
-            rate = lambda run: _best_rate(run, batch, args.new_tokens, args.repeats)
-            hf_rate = rate(_hf_runner(hf, prompt_ids, batch, t, args.new_tokens))
-            r32 = rate(_jaxrl_runner(p32, spec, prompt_ids, batch, t, args.new_tokens))
-            r16 = rate(_jaxrl_runner(p16, spec, prompt_ids, batch, t, args.new_tokens))
-            print(f"| {batch} | {mode} | {hf_rate:.1f} | {r32:.1f} | {r32 / hf_rate:.2f}x | "
-                  f"{r16:.1f} | {r16 / hf_rate:.2f}x | {os.getloadavg()[0]:.1f} |", flush=True)
-    print(f"load average at the end {os.getloadavg()[0]:.2f}")
+    prompt_tokens = _prompt_tokens(model_dir)
+    print(f"{model_dir}: prompt {prompt_tokens} tokens, {args.new_tokens} new tokens, "
+          f"{args.rounds} rounds", flush=True)
+    lines = ["| round | batch | mode | transformers fp32 | jaxrl fp32 | ratio | jaxrl bf16 | "
+             "ratio | load |", "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for mode in args.modes.split(","):
+        rounds = alternate(_workers(args, model_dir, prompt_tokens, mode), args.rounds)
+        for i, r in enumerate(rounds, 1):
+            rates = {name: {row["batch"]: _rate(row, args.new_tokens) for row in result["rows"]}
+                     for name, result in r.items()}
+            for batch in map(int, args.batches.split(",")):
+                hf = rates["transformers fp32"][batch]
+                r32, r16 = rates["jaxrl float32"][batch], rates["jaxrl bfloat16"][batch]
+                lines.append(f"| {i} | {batch} | {mode} | {hf:.1f} | {r32:.1f} | "
+                             f"{r32 / hf:.2f}x | {r16:.1f} | {r16 / hf:.2f}x | "
+                             f"{load_range([r])} |")
+    print("\ntokens per second (prefill included), median of the timed calls; load: 1-minute "
+          "load average range over the round\n")
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":
-    np.set_printoptions(precision=3)
-    main()
+    if len(sys.argv) == 8 and sys.argv[1] == "transformers":
+        transformers_worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), float(sys.argv[5]),
+                            int(sys.argv[6]), sys.argv[7])
+    else:
+        main()

@@ -2,7 +2,7 @@
 
 Compiles the decode engine's `generate` for ONE step (jaxrl/sampling/engine.py) from abstract
 shapes, as `jaxrl plan` does (no weights), with NF4 kernels dequantized per layer (the path
-accelerators take), and walks its optimized HLO (tools/hlo_traffic.py): every top-level
+accelerators take), and walks its optimized HLO (jaxrl/hlo.py): every top-level
 instruction reads its operands and writes its result, loops count their trip counts. Per device:
 
   floor   = the weights as stored (NF4 codes and block scales, bf16 embedding / LM head, norms)
@@ -26,7 +26,7 @@ import argparse
 import collections
 import time
 
-from hlo_traffic import Program
+from jaxrl.hlo import Program
 
 DEFAULT_CONFIG = "configs/cedar_qwen3_4b_1gpu.yaml"
 DEFAULT_OVERRIDES = ("model.path=Qwen/Qwen3-4B",)
@@ -53,8 +53,9 @@ def per_device(tree) -> int:
                for a in jax.tree_util.tree_leaves(tree))
 
 
-def compile_step(cfg, spec, rules):
-    """(compiled one-step `generate`, abstract run, abstract slots)."""
+def compile_step(cfg, spec, rules, compiler_options: dict | None = None):
+    """(compiled one-step `generate`, abstract run, abstract slots); compiler_options: XLA
+    options for this compile."""
     from jaxrl.commands.plan import abstract_run
     from jaxrl.sampling.buckets import bucket
     from jaxrl.sampling.engine import abstract_slots, generate
@@ -64,7 +65,7 @@ def compile_step(cfg, spec, rules):
     slots = abstract_slots(run.params, spec, bucket(run.rows, minimum=1), capacity, rules)
     lowered = generate.lower(slots, run.params, run.lora, spec=spec,
                              eos_ids=spec.eos_token_ids or (0,), steps=1, shardings=rules)
-    return lowered.compile(), run, slots
+    return lowered.compile(compiler_options), run, slots
 
 
 def floor_bytes(run, slots) -> tuple[int, int]:

@@ -16,12 +16,15 @@ launch scripts set 0.90), so `--device-memory GIB` names the card's memory and t
 against --mem-fraction (default: that variable) of it; a TPU chip's figure is what its
 compiler reports as usable. With several hosts the plan also checks that each host can feed
 the rows its chips hold (hosts whose chips share a batch shard sample and score it alike).
+The step is compiled with optim.remat's policy; under auto, with the one a run would take
+(jaxrl/rl/remat.py), which the step's row names.
 
 `--topology v5e:4x4` compiles for a TPU slice without TPUs, through libtpu
 (`pip install -e '.[tpu]'`); without it the local devices are used.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -29,11 +32,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-GIB = 1 << 30
-# HBM per chip a program may use, by the device_kind XLA reports: for v5e and v5p what XLA's TPU
-# compiler names as available when it refuses a program; the chip's nominal HBM for the others.
-DEVICE_MEMORY_GIB = {"TPU v4": 32, "TPU v5 lite": 15.75, "TPU v5": 95.74, "TPU v5p": 95.74,
-                     "TPU v6 lite": 32, "TPU v6e": 32}
+from jaxrl.devices import GIB, device_memory
 
 
 def register(sub) -> None:
@@ -47,7 +46,7 @@ def register(sub) -> None:
     plan.add_argument("--device-memory", metavar="GIB", type=float,
                       help="memory of each device, e.g. a GPU's card; the run gets "
                       "--mem-fraction of it (default: the allocator's limit the device reports, "
-                      "or the usable HBM of a topology's chip)")
+                      "the usable HBM of a topology's chip, or on a CPU the memory available now)")
     plan.add_argument("--mem-fraction", metavar="F", type=float,
                       help="share of --device-memory XLA's GPU allocator takes (default: "
                       "$XLA_CLIENT_MEM_FRACTION or $XLA_PYTHON_CLIENT_MEM_FRACTION, else 0.75, "
@@ -218,10 +217,11 @@ def _capacity(cfg) -> int:
         cfg.env.max_tokens if cfg.data.env else bucket(cfg.sampling.max_new_tokens))
 
 
-def lower_step(cfg, spec, rules, run: AbstractRun):
+def lower_step(cfg, spec, rules, run: AbstractRun, remat: str):
     """The GRPO train step lowered for a batch of the run's rows: the prompt bucket plus
     sampling.max_new_tokens columns (env.max_tokens with data.env), micro-batched as
-    optim.micro_batch_size says."""
+    optim.micro_batch_size says, recomputing as the remat policy `remat` (none, dots or full)
+    says."""
     import jax
     import jax.numpy as jnp
 
@@ -238,7 +238,8 @@ def lower_step(cfg, spec, rules, run: AbstractRun):
                   logp_old=sds((b, n), jnp.float32), advantages=sds((b,), jnp.float32),
                   ref_logp=sds((b, n), jnp.float32) if cfg.grpo.beta > 0 else None)
     shardings = step_shardings(rules, run.state, run.params, spec, run.optimizer, b)
-    step = compile_train_step(spec, run.optimizer, step_options(cfg), shardings)
+    opts = dataclasses.replace(step_options(cfg, rules), remat=remat)
+    step = compile_train_step(spec, run.optimizer, opts, shardings)
     return step.lower(run.state, run.params, batch)
 
 
@@ -258,86 +259,74 @@ def lower_reference(cfg, spec, rules, run: AbstractRun):
     shardings = reference_shardings(rules, run.params, spec, b)
     rows = jax.ShapeDtypeStruct((b, s), jnp.int32, sharding=shardings[1])
     mask = jax.ShapeDtypeStruct((b, s), jnp.bool_, sharding=shardings[1])
-    return compile_reference(spec, step_options(cfg), shardings).lower(run.params, rows, rows,
-                                                                       mask)
+    return compile_reference(spec, step_options(cfg, rules), shardings).lower(
+        run.params, rows, rows, mask)
 
 
 class OutOfMemory(RuntimeError):
     """The compiler itself found that a program cannot fit the device (TPU compiles refuse)."""
 
 
-def _compile(name: str, lowered):
+@contextlib.contextmanager
+def _refusal(name: str):
+    """Turns the compiler's refusal of a program for lack of device memory into OutOfMemory."""
     import jax
 
     try:
-        return lowered.compile()
+        yield
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
         raise OutOfMemory(f"{name}: {str(e).split(':', 1)[-1].strip()}") from None
 
 
-def _memory(name: str, lowered, resident_other: int = 0) -> ProgramMemory:
-    m = _compile(name, lowered).memory_analysis()
+def _analysis(name: str, compiled, resident_other: int = 0) -> ProgramMemory:
+    m = compiled.memory_analysis()
     return ProgramMemory(name, m.argument_size_in_bytes, m.output_size_in_bytes,
                          m.alias_size_in_bytes, m.temp_size_in_bytes, resident_other)
 
 
-def plan_memory(cfg, spec, rules) -> list[ProgramMemory | OutOfMemory]:
+def compile_grpo_step(cfg, spec, rules, run: AbstractRun,
+                      capacity: int | None) -> tuple[str, Any]:
+    """(remat policy, the GRPO step compiled with it): optim.remat, or for auto the one
+    `jaxrl.rl.remat.choose` takes for `capacity` bytes per device, as a run takes it."""
+    from jaxrl.rl.remat import choose
+
+    lower = lambda policy: lower_step(cfg, spec, rules, run, policy)  # noqa: E731
+    if cfg.optim.remat == "auto":
+        return choose(lower, capacity)
+    return cfg.optim.remat, lower(cfg.optim.remat).compile()
+
+
+def _step_memory(cfg, spec, rules, run: AbstractRun, capacity: int | None) -> ProgramMemory:
+    """The GRPO step's figures, named with its remat policy (`compile_grpo_step`)."""
+    with _refusal("grpo step"):
+        policy, compiled = compile_grpo_step(cfg, spec, rules, run, capacity)
+    return _analysis(f"grpo step (remat {policy})", compiled)
+
+
+def plan_memory(cfg, spec, rules,
+                capacity: int | None = None) -> list[ProgramMemory | OutOfMemory]:
     """Compiles the sampler, the reference pass and the GRPO step of `cfg` on `rules`' mesh
     from abstract shapes; a program the compiler refuses for lack of device memory is an
-    `OutOfMemory` entry."""
+    `OutOfMemory` entry. capacity: bytes per device, for optim.remat auto."""
     run = abstract_run(cfg, spec, rules)
     opt_bytes = per_device_bytes(run.state.opt_state, run.state_shardings.opt_state)
     state_bytes = per_device_bytes(run.state, run.state_shardings)
     rows = []
     for name, lower, resident in (("sampler", lower_sampler, opt_bytes),
                                   ("prefill", lower_prefill, opt_bytes),
-                                  ("reference", lower_reference, state_bytes),
-                                  ("grpo step", lower_step, 0)):
+                                  ("reference", lower_reference, state_bytes)):
         try:
-            rows.append(_memory(name, lower(cfg, spec, rules, run), resident))
+            with _refusal(name):
+                rows.append(_analysis(name, lower(cfg, spec, rules, run).compile(), resident))
         except OutOfMemory as e:  # the other program's figures still tell where memory goes
             rows.append(e)
-    return rows
-
-
-XLA_DEFAULT_FRACTION = 0.75  # XLA's GPU allocator takes this share when no variable says
-
-
-def mem_fraction(override: float | None, env=os.environ) -> tuple[float, str]:
-    """(share of a GPU's memory XLA's allocator takes, where that share comes from)."""
-    if override is not None:
-        if not 0 < override <= 1:
-            from jaxrl.commands import UsageError
-
-            raise UsageError(f"--mem-fraction {override} must be in (0, 1]")
-        return override, "--mem-fraction"
-    for name in ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION"):
-        if env.get(name):
-            return float(env[name]), f"{name}={env[name]}"
-    return XLA_DEFAULT_FRACTION, "XLA's default; XLA_CLIENT_MEM_FRACTION is unset"
-
-
-def device_memory(devices, override_gib: float | None,
-                  fraction: float | None = None) -> tuple[int | None, str]:
-    """(bytes per device the run may use, how that figure was found): the override times the
-    allocator's fraction, the limit the device reports, or the chip's known HBM."""
-    if override_gib is not None:
-        share, source = mem_fraction(fraction)
-        return int(override_gib * share * GIB), f"{share:.2f} x {override_gib:.2f} GiB, {source}"
-    import jax
-
     try:
-        stats = devices[0].memory_stats()
-    except jax.errors.JaxRuntimeError:  # compile-only topology devices have no live statistics
-        stats = None
-    if stats and "bytes_limit" in stats:
-        return int(stats["bytes_limit"]), "the allocator's limit the device reports"
-    gib = DEVICE_MEMORY_GIB.get(devices[0].device_kind)
-    if gib is None:
-        return None, "the device reports none; pass --device-memory"
-    return int(gib * GIB), f"usable HBM of a {devices[0].device_kind} chip"
+        rows.append(_step_memory(cfg, spec, rules, run, capacity))
+    except OutOfMemory as e:
+        rows.append(e)
+    return rows
 
 
 def host_layout(cfg, rules) -> str:
@@ -409,8 +398,8 @@ def _plan(args) -> int:
           f"{cfg.grpo.num_generations} rows, {cfg.data.max_prompt_tokens} prompt + "
           f"{cfg.sampling.max_new_tokens} new tokens; {cfg.quant.mode} + LoRA r{cfg.lora.rank}")
     print(f"hosts: {host_layout(cfg, rules)}")
-    text, fits = report(plan_memory(cfg, spec, rules),
-                        *device_memory(devices, args.device_memory, args.mem_fraction))
+    capacity, source = device_memory(devices, args.device_memory, args.mem_fraction)
+    text, fits = report(plan_memory(cfg, spec, rules, capacity), capacity, source)
     print(text)
     if not fits:
         print("jaxrl plan: the run does not fit the device memory; shard further (mesh.fsdp), "

@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxrl.lora.lora import Lora, lora_delta
 from jaxrl.model.attention import apply_rope, attend, rope_tables
@@ -21,8 +22,19 @@ from jaxrl.model.kv_cache import KVCache, write_tokens
 from jaxrl.model.params import LINEAR_NAMES
 from jaxrl.quant.nf4 import QTensor, as_dense
 from jaxrl.quant.qmatmul import qmatmul
+from jaxrl.sharding import MeshRules, layer_weights, split_rows
 
 Params = dict[str, Any]
+
+# What each layer of the scan keeps for the backward pass (`remat`), least recomputation first:
+# none saves every intermediate; dots saves each projection's output (`projector`: the linear's
+# matmul plus its LoRA delta, one [B, T, out] array however the matmul is split, as the NF4
+# matmul splits it in two) and recomputes attention, norms, activations and the LoRA products;
+# full saves only the layer's input and recomputes the whole layer. Dequantized NF4 kernels are
+# saved under none.
+REMAT_POLICIES = {"none": None,
+                  "dots": jax.checkpoint_policies.save_only_these_names("projection"),
+                  "full": jax.checkpoint_policies.nothing_saveable}
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
@@ -44,28 +56,34 @@ def embed(table: jax.Array, tokens: jax.Array) -> jax.Array:
 
 
 def linear(x: jax.Array, p: Params) -> jax.Array:
-    """x [B, T, in] @ kernel [in, out] (+ bias), accumulated in float32; the kernel may be a
-    quantized QTensor, dequantized here with the matmul (`qmatmul`), so inside the layer scan,
-    one layer at a time."""
+    """x [B, T, in] @ kernel [in, out] (+ bias), accumulated in float32 and rounded once to
+    x's dtype; the kernel may be a quantized QTensor, dequantized here with the matmul
+    (`qmatmul`), so inside the layer scan, one layer at a time. Without a bias the matmul
+    itself yields x's dtype, so where a mesh splits `in` (o_proj and down_proj over the tensor
+    axis, and in the backward pass the column-parallel layers' input gradients) the partial
+    sums are reduced across devices in the model's dtype, not in float32; only a decode step's
+    NF4 block form, which sums its scale blocks in float32 first, reduces its few rows' partial
+    sums in float32."""
     kernel = p["kernel"]
+    dtype = jnp.float32 if "bias" in p else x.dtype  # a bias is added before the rounding
     if isinstance(kernel, QTensor):  # one token per row (decoding): bound by reading the kernel
-        y = qmatmul(x, kernel, memory_bound=x.shape[-2] == 1)
+        y = qmatmul(x, kernel, memory_bound=x.shape[-2] == 1, dtype=dtype)
     else:
-        y = jnp.einsum("...i,io->...o", x, kernel.astype(x.dtype),
-                       preferred_element_type=jnp.float32)
+        y = jnp.einsum("...i,io->...o", x, kernel.astype(x.dtype), preferred_element_type=dtype)
     if "bias" in p:
         y = y + p["bias"]
     return y.astype(x.dtype)
 
 
 def projector(lp: Params, ll: Params | None, lora: Lora | None, rng: jax.Array | None):
-    """proj(name, x): layer linear `name` applied to x, plus its adapter when it has one."""
+    """proj(name, x): layer linear `name` applied to x, plus its adapter when it has one; the
+    result is named "projection" (the one array remat dots saves of it)."""
     def proj(name: str, x: jax.Array) -> jax.Array:
         y = linear(x, lp[name])
         if ll is not None and name in ll:
             key = None if rng is None else jax.random.fold_in(rng, LINEAR_NAMES.index(name))
             y = y + lora_delta(x, ll[name], lora.scale, lora.dropout, key)
-        return y
+        return checkpoint_name(y, "projection")
     return proj
 
 
@@ -134,18 +152,23 @@ def cached_mask(attn_mask: jax.Array, t: int, start: jax.Array) -> jax.Array:
 
 def hidden_states(params: Params, tokens: jax.Array, positions: jax.Array, spec: ModelSpec, *,
                   attn_mask: jax.Array | None = None, cache: KVCache | None = None,
-                  lora: Lora | None = None, rng: jax.Array | None = None, remat: bool = False):
+                  lora: Lora | None = None, rng: jax.Array | None = None, remat: str = "none",
+                  shardings: MeshRules | None = None):
     """Final-normed hidden states [B, T, E] and the updated cache (None without one).
 
     lora: adapters added to their target linears (None = the frozen base alone, which is also
     the GRPO reference policy). rng: key for LoRA dropout (None = no dropout, as in eval).
-    remat: recompute each layer in the backward pass instead of saving its intermediates; this
-    also keeps dequantized NF4 weights from being saved for the backward, one per layer.
+    remat: what each layer saves for the backward pass, a key of REMAT_POLICIES; dots and full
+    also keep dequantized NF4 weights from being saved for the backward, one per layer.
     tokens, positions: [B, T] int32. attn_mask marks valid (non-pad) key slots: [B, T] without a
     cache, [B, S] over the cache slots with one (default: all valid). With a cache, row b's T
     new tokens attend causally to its filled slots [0, cache.index[b]) and to each other, then
     are written at slots [cache.index[b], cache.index[b] + T) (`write_tokens`): the layer scan
     reads each layer's cache as a scanned input and never carries the cache.
+    shardings: the mesh the arrays lie on (None: one device, or let the partitioner choose).
+    A call with more than one token per row gathers each layer's weights over the FSDP axes
+    inside the loop (`jaxrl.sharding.layer_weights`); a decode step (one token per row) leaves
+    them split and moves its few activations instead.
     """
     b, t = tokens.shape
     if attn_mask is None:
@@ -155,10 +178,13 @@ def hidden_states(params: Params, tokens: jax.Array, positions: jax.Array, spec:
     else:
         mask = cached_mask(attn_mask, t, cache.index)
     rope = rope_tables(positions, spec)
-    h = embed(params["embed_tokens"]["embedding"], tokens)  # [B, T, E]
+    many = shardings if t > 1 else None  # the layout of a call with many tokens per row
+    h = split_rows(many, embed(params["embed_tokens"]["embedding"], tokens))  # [B, T, E]
 
     def layer(h, xs):
         lp, ll, key, kv = xs
+        lp, ll = layer_weights(many, lp, ll, spec)
+        h = split_rows(many, h)
         attention = _attention(mask) if kv is None else _cached_attention(mask, *kv)
         return decoder_layer(h, lp, projector(lp, ll, lora, key), rope, spec, attention)
 
@@ -166,7 +192,8 @@ def hidden_states(params: Params, tokens: jax.Array, positions: jax.Array, spec:
     use_dropout = lora is not None and lora.dropout > 0 and rng is not None
     keys = jax.random.split(rng, spec.num_layers) if use_dropout else None
     kv = None if cache is None else (cache.k, cache.v)
-    body = jax.checkpoint(layer) if remat else layer
+    policy = REMAT_POLICIES[remat]
+    body = layer if policy is None else jax.checkpoint(layer, policy=policy)
     h, new = jax.lax.scan(body, h, (params["layers"], ll, keys, kv))
     h = rms_norm(h, params["norm"]["scale"], spec.rms_norm_eps)
     return h, (None if cache is None else write_tokens(cache, *new))
@@ -181,9 +208,17 @@ def lm_logits(params: Params, h: jax.Array, spec: ModelSpec) -> jax.Array:
     return jnp.einsum("...e,ev->...v", h, w, preferred_element_type=jnp.float32)
 
 
+def logits_at(logits: jax.Array, ids: jax.Array) -> jax.Array:
+    """logits[..., ids] of logits [..., V] and ids [...], as a sum over V of the one entry
+    that matches: exactly that entry, and where a mesh splits the vocab each device sums its
+    own part and only [...] crosses between them (a gather would collect the logits whole)."""
+    hit = jnp.arange(logits.shape[-1]) == ids[..., None]
+    return jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)
+
+
 def forward(params: Params, tokens: jax.Array, positions: jax.Array, spec: ModelSpec, *,
             attn_mask: jax.Array | None = None, cache: KVCache | None = None,
-            lora: Lora | None = None, rng: jax.Array | None = None, remat: bool = False):
+            lora: Lora | None = None, rng: jax.Array | None = None, remat: str = "none"):
     """Logits [B, T, V] (float32) and the updated cache. See `hidden_states` for the inputs."""
     h, cache = hidden_states(params, tokens, positions, spec, attn_mask=attn_mask, cache=cache,
                              lora=lora, rng=rng, remat=remat)

@@ -17,11 +17,13 @@ byte (n*K + k, o) (`select_levels`: selects, no gather), and regroup the inputs 
       weight plus the scales. The levels are in x's dtype (bfloat16 rounds them, where a dense
       bfloat16 kernel rounds level * scale).
   dense form (prefill, training): the even rows' kernel level * scale in x's dtype, in the
-      packed order, times the even inputs, plus the same for the odd rows. The kernel is
-      written and read once per call, which many tokens amortize, and the matmul runs at full
-      rate, where the block form's Bk-long contractions would use the matrix units at a
-      fraction of it (and, where the backend does not fuse the block sums, hold [..., N, O]
-      partial products).
+      packed order, and the odd rows' after it ([J, N, K, O]), times the inputs regrouped to
+      match ([..., J, N, K]) in one matmul. The kernel is written and read once per call,
+      which many tokens amortize, and the matmul runs at full rate, where the block form's
+      Bk-long contractions would use the matrix units at a fraction of it (and, where the
+      backend does not fuse the block sums, hold [..., N, O] partial products). One matmul
+      rounds its float32 sums to the result's dtype once, so on a mesh that splits I (a
+      row-parallel layer) the partial sums cross devices in that dtype.
 
 Both forms give each output the same products as x @ dequantize(W) in x's dtype (the block
 form up to its levels' rounding), summed in another order (float32), so they agree with it to
@@ -43,9 +45,10 @@ def _levels(q: QTensor, nibble: int, dtype) -> jax.Array:
     return select_levels(codes, CODEBOOKS[q.mode]).astype(dtype)
 
 
-def qmatmul(x: jax.Array, q: QTensor, *, memory_bound: bool) -> jax.Array:
-    """x [..., I] @ the dense kernel of q [I, O] (no layer axis), as float32 [..., O];
-    memory_bound picks the block form (module docstring)."""
+def qmatmul(x: jax.Array, q: QTensor, *, memory_bound: bool, dtype=jnp.float32) -> jax.Array:
+    """x [..., I] @ the dense kernel of q [I, O] (no layer axis), as [..., O] in `dtype`,
+    accumulated in float32 and rounded to `dtype` once; memory_bound picks the block form
+    (module docstring)."""
     *lead, n_in = x.shape
     k = q.block_size // 2
     xb = x.reshape(*lead, n_in // q.block_size, k, 2)  # [..., N, K, J]
@@ -54,10 +57,9 @@ def qmatmul(x: jax.Array, q: QTensor, *, memory_bound: bool) -> jax.Array:
         levels = jnp.stack([_levels(q, j, x.dtype) for j in (0, 1)], axis=1)  # [N, J, K, O]
         partial = jnp.einsum("...nkj,njko->...no", xb, levels,
                              preferred_element_type=jnp.float32)  # [..., N, O]
-        return jnp.sum(partial * scales, axis=-2)
-    out = 0.0
-    for j in (0, 1):  # the even rows' kernel, then the odd rows': each written and read once
-        kernel = (_levels(q, j, jnp.float32) * scales[:, None, :]).astype(x.dtype)  # [N, K, O]
-        out = out + jnp.einsum("...nk,nko->...o", xb[..., j], kernel,
-                               preferred_element_type=jnp.float32)
-    return out
+        return jnp.sum(partial * scales, axis=-2).astype(dtype)
+    # the even rows' kernel and the odd rows', each written once, in one matmul
+    kernel = jnp.stack([(_levels(q, j, jnp.float32) * scales[:, None, :]).astype(x.dtype)
+                        for j in (0, 1)])  # [J, N, K, O]
+    return jnp.einsum("...jnk,jnko->...o", jnp.moveaxis(xb, -1, -3), kernel,
+                      preferred_element_type=dtype)

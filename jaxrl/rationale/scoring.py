@@ -45,7 +45,7 @@ def _weighted_sums(params: Params, lora: Lora | None, tokens: jax.Array, mask: j
                    weights: jax.Array, *, spec: ModelSpec, start: int) -> jax.Array:
     """sum_j weights[:, j] * log p(tokens[:, start + j] | tokens[:, :start + j]): [B] float32."""
     logp, _ = token_logprobs(params, spec, tokens, positions_from_mask(mask), mask, lora,
-                             start=start, remat=False)  # [B, W - start]
+                             start=start, remat="none")  # [B, W - start]
     return jnp.sum(logp * weights, axis=1)
 
 

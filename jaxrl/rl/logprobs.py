@@ -5,10 +5,11 @@ chunks, E hidden size, V vocab.
 
 The LM head runs on C positions at a time inside `lax.scan`, so at most one chunk's logits
 [B, C, V] float32 (B * C * V * 4 bytes: 0.6 GB for Qwen3's V = 151,936 at B = 8, C = 128) exist
-at once instead of [B, N, V]. The chunk function is rematerialized (`jax.checkpoint`): the
-backward pass saves only each chunk's hidden states and recomputes its logits, so it never holds
-all chunks' logits either. Chunks run along positions, not over flattened B * N rows, so a batch
-axis sharded over the mesh stays sharded.
+at once instead of [B, N, V]. The chunk function is rematerialized (`jax.checkpoint`) unless
+remat is "none": the backward pass saves only each chunk's hidden states and recomputes its
+logits, so it never holds all chunks' logits either (under "none" it keeps them and recomputes
+nothing, for runs whose memory allows it: jaxrl/rl/remat.py). Chunks run along positions, not
+over flattened B * N rows, so a batch axis sharded over the mesh stays sharded.
 
 Alignment: `token_logprobs(..., start=s)` scores tokens[:, s:]: out[:, j] = log p(tokens[:, s + j]
 | tokens[:, :s + j]), shape [B, T - s]. With s = 1 (the default) that is every next-token target
@@ -24,13 +25,14 @@ import jax.numpy as jnp
 
 from jaxrl.lora.lora import Lora
 from jaxrl.model.families import ModelSpec
-from jaxrl.model.transformer import Params, hidden_states, lm_logits
+from jaxrl.model.transformer import Params, hidden_states, lm_logits, logits_at
+from jaxrl.sharding import MeshRules, head_logits
 
 
 def _chunk_stats(logits: jax.Array, targets: jax.Array, with_entropy: bool):
     """log p(target) [B, C] and (optionally) the entropy [B, C] of logits [B, C, V]."""
     logz = jax.nn.logsumexp(logits, axis=-1)  # [B, C]
-    logp = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0] - logz
+    logp = logits_at(logits, targets) - logz
     if not with_entropy:
         return logp, None
     log_probs = logits - logz[..., None]  # [B, C, V]
@@ -76,13 +78,18 @@ def chunked_logprobs(h: jax.Array, targets: jax.Array, head_fn: Callable[[jax.Ar
 def token_logprobs(params: Params, spec: ModelSpec, tokens: jax.Array, positions: jax.Array,
                    attn_mask: jax.Array | None = None, lora: Lora | None = None, *,
                    start: int = 1, chunk: int = 128, temperature: float = 1.0,
-                   with_entropy: bool = False, remat: bool = True, rng: jax.Array | None = None):
+                   with_entropy: bool = False, remat: str = "full", rng: jax.Array | None = None,
+                   shardings: MeshRules | None = None):
     """(logp [B, T - start], entropy [B, T - start] or None) of tokens[:, start:], float32.
 
     tokens, positions, attn_mask [B, T] as for `hidden_states`; lora None scores the frozen base
-    (the GRPO reference policy); rng is the LoRA dropout key. remat rematerializes both the
-    transformer layers and the head chunks in the backward pass. See the module docstring for
-    the alignment and `chunked_logprobs` for chunk and temperature.
+    (the GRPO reference policy); rng is the LoRA dropout key. remat: what the transformer layers
+    save for the backward pass (`jaxrl.model.transformer.REMAT_POLICIES`); the head chunks are
+    rematerialized unless it is "none". See the module docstring for the alignment and
+    `chunked_logprobs` for chunk and temperature. shardings: the mesh the arrays lie on; the
+    layers gather their weights over its FSDP axes, and the head's logits keep the vocab split
+    its table has (`jaxrl.sharding.head_rules`): the log-softmax and the target's logit reduce
+    [B, C] across that split.
     """
     t = tokens.shape[1]
     if not 1 <= start < t:
@@ -90,7 +97,8 @@ def token_logprobs(params: Params, spec: ModelSpec, tokens: jax.Array, positions
                          f"no prediction); got {start}")
     _check_chunking(chunk, temperature)  # before the forward pass, not after it
     h, _ = hidden_states(params, tokens, positions, spec, attn_mask=attn_mask, lora=lora,
-                         rng=rng, remat=remat)
+                         rng=rng, remat=remat, shardings=shardings)
     return chunked_logprobs(h[:, start - 1:-1], tokens[:, start:],
-                            lambda x: lm_logits(params, x, spec), chunk=chunk,
-                            temperature=temperature, with_entropy=with_entropy, remat=remat)
+                            lambda x: head_logits(shardings, lm_logits(params, x, spec)),
+                            chunk=chunk, temperature=temperature, with_entropy=with_entropy,
+                            remat=remat != "none")

@@ -26,7 +26,7 @@ from jaxrl.rl.episodes import Chat
 from jaxrl.rl.rollout import unpack_rollout
 from jaxrl.rl.train_step import (StepOptions, compile_reference, compile_train_step,
                                  init_train_state, make_optimizer)
-from jaxrl.sharding import place, reference_shardings, step_shardings
+from jaxrl.sharding import MeshRules, place, reference_shardings, step_shardings
 
 
 def learner_temperature(cfg: Config) -> float:
@@ -40,8 +40,9 @@ def completion_width(cfg: Config) -> int:
     return cfg.env.max_tokens if cfg.data.env else cfg.sampling.max_new_tokens
 
 
-def step_options(cfg: Config) -> StepOptions:
-    """The train step's static settings; micro-batches from optim.micro_batch_size."""
+def step_options(cfg: Config, rules: MeshRules | None = None) -> StepOptions:
+    """The train step's static settings on `rules`' mesh (None: one device); micro-batches
+    from optim.micro_batch_size."""
     rows = cfg.data.prompts_per_step * cfg.grpo.num_generations
     micro = cfg.optim.micro_batch_size or rows
     if rows % micro:
@@ -50,10 +51,10 @@ def step_options(cfg: Config) -> StepOptions:
                           "grpo.num_generations)")
     return StepOptions(grpo=cfg.grpo, temperature=learner_temperature(cfg),
                        max_new_tokens=completion_width(cfg), micro_batches=rows // micro,
-                       seed=cfg.run.seed)
+                       remat=cfg.optim.remat, seed=cfg.run.seed, mesh=rules)
 
 
-def _load_model(cfg: Config, rules, log: Callable[[str], None]):
+def load_model(cfg: Config, rules, log: Callable[[str], None]):
     """(model directory, spec, tokenizer, params as the run holds them: on the mesh of `rules`,
     dense where quant.dequantize resolves to once)."""
     model_dir = resolve_model_path(cfg.model.path)
@@ -68,6 +69,15 @@ def _load_model(cfg: Config, rules, log: Callable[[str], None]):
     return model_dir, spec, tokenizer, params
 
 
+def reference_program(cfg: Config, spec, params, rules):
+    """The compiled reference pass of a step's rows: (params, tokens, positions, mask [B, S])
+    -> log-probs [B, sampling.max_new_tokens] under the frozen base (LoRA off), micro-batched as
+    the update is (`compile_reference`), on the mesh of `rules` (None: one device)."""
+    rows = cfg.data.prompts_per_step * cfg.grpo.num_generations
+    shardings = None if rules is None else reference_shardings(rules, params, spec, rows)
+    return compile_reference(spec, step_options(cfg, rules), shardings)
+
+
 def _my_prompts(cfg: Config, rules) -> tuple[slice, tuple[int, int]]:
     """This process's prompts of a step, and their rows [start, stop) among the step's rows."""
     g = cfg.grpo.num_generations
@@ -75,7 +85,7 @@ def _my_prompts(cfg: Config, rules) -> tuple[slice, tuple[int, int]]:
     return prompts, (prompts.start * g, prompts.stop * g)
 
 
-def _trainer(cfg: Config, spec, params, rules, key: jax.Array):
+def make_trainer(cfg: Config, spec, params, rules, key: jax.Array):
     """(fresh train state, lr schedule, compiled train step, the step's shardings or None)."""
     lora = start_lora(cfg, spec, jax.random.fold_in(key, 1 << 20))
     optimizer, schedule = make_optimizer(cfg.optim, cfg.run.steps)
@@ -83,7 +93,7 @@ def _trainer(cfg: Config, spec, params, rules, key: jax.Array):
     rows = cfg.data.prompts_per_step * cfg.grpo.num_generations
     shardings = None if rules is None else step_shardings(rules, state, params, spec, optimizer,
                                                           rows)
-    train_step = compile_train_step(spec, optimizer, step_options(cfg), shardings)
+    train_step = compile_train_step(spec, optimizer, step_options(cfg, rules), shardings)
     return state, schedule, train_step, shardings
 
 
@@ -109,13 +119,13 @@ class Session:
     def __init__(self, cfg: Config, log: Callable[[str], None] = print):
         self.cfg, self.log = cfg, log
         self.rules = distributed.session_rules(cfg.mesh)  # None: one device
-        model_dir, self.spec, self.tokenizer, self.params = _load_model(cfg, self.rules, log)
+        model_dir, self.spec, self.tokenizer, self.params = load_model(cfg, self.rules, log)
         self.eos_ids = eos_token_ids(self.tokenizer, model_dir)
         self.detokenize = detokenizer(self.tokenizer)
         self.chat = Chat(self.tokenizer, self.eos_ids)  # renders episodes (data.env)
         self.prompts, self.row_range = _my_prompts(cfg, self.rules)
         self.key = jax.random.PRNGKey(cfg.run.seed)
-        self.state, self.schedule, self.train_step, shardings = _trainer(
+        self.state, self.schedule, self.train_step, shardings = make_trainer(
             cfg, self.spec, self.params, self.rules, self.key)
         pool = build_pool(cfg.data, keep=prompt_fits(self.tokenizer, cfg.data.max_prompt_tokens))
         self.data = train_iterator(pool, cfg.data)
@@ -138,10 +148,7 @@ class Session:
 
     @functools.cached_property
     def _reference_fn(self):
-        rows = self.cfg.data.prompts_per_step * self.cfg.grpo.num_generations
-        shardings = (None if self.rules is None
-                     else reference_shardings(self.rules, self.params, self.spec, rows))
-        return compile_reference(self.spec, step_options(self.cfg), shardings)
+        return reference_program(self.cfg, self.spec, self.params, self.rules)
 
     def reference_logprobs(self, tokens, mask, positions, width: int) -> jax.Array:
         """Log-probs [B, width] of the completion tokens under the frozen base (LoRA off),

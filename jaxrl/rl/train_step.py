@@ -28,6 +28,7 @@ from jaxrl.lora.lora import Lora
 from jaxrl.model.families import ModelSpec
 from jaxrl.rl.logprobs import token_logprobs
 from jaxrl.rl.losses import ROW_METRICS, entropy_mask, grpo_loss, token_weights
+from jaxrl.sharding import MeshRules
 
 
 @struct.dataclass
@@ -60,7 +61,9 @@ class StepOptions:
     max_new_tokens: int
     micro_batches: int = 1
     logprob_chunk: int = 128
+    remat: str = "full"  # a key of jaxrl.model.transformer.REMAT_POLICIES, or auto
     seed: int = 0  # of the LoRA dropout keys (run.seed)
+    mesh: MeshRules | None = None  # the mesh the step runs on: how its weights are gathered
 
 
 def make_optimizer(optim: OptimConfig, total_steps: int):
@@ -112,7 +115,8 @@ def _loss(lora: Lora, params, spec: ModelSpec, mb: Batch, weights: jax.Array,
     logp, entropy = token_logprobs(
         params, spec, mb.tokens, mb.positions, mb.attn_mask, lora,
         start=mb.tokens.shape[1] - width, chunk=opts.logprob_chunk,
-        temperature=opts.temperature, with_entropy=True, remat=True, rng=rng)
+        temperature=opts.temperature, with_entropy=True, remat=opts.remat, rng=rng,
+        shardings=opts.mesh)
     loss, metrics = grpo_loss(logp, mb.logp_old, mb.advantages, mb.completion_mask, opts.grpo,
                               ref_logp=mb.ref_logp, max_new_tokens=opts.max_new_tokens,
                               weights=weights, entropy=entropy, selected=selected)
@@ -176,8 +180,8 @@ def batch_entropy(lora, params, spec, batch: Batch, opts: StepOptions,
         width = mb.completion_mask.shape[1]
         return token_logprobs(params, spec, mb.tokens, mb.positions, mb.attn_mask, lora,
                               start=mb.tokens.shape[1] - width, chunk=opts.logprob_chunk,
-                              temperature=opts.temperature, with_entropy=True, remat=False,
-                              rng=micro_key(rng, index))[1]
+                              temperature=opts.temperature, with_entropy=True, remat="none",
+                              rng=micro_key(rng, index), shardings=opts.mesh)[1]
     m = opts.micro_batches
     entropy = jax.lax.map(lambda x: one(*x), (jnp.arange(m), _split(batch, m)))
     return entropy.reshape(batch.completion_mask.shape)
@@ -242,7 +246,8 @@ def reference_logprobs(params, tokens: jax.Array, positions: jax.Array, attn_mas
     def score(tok, pos, mask):
         return token_logprobs(params, spec, tok, pos, mask, None,
                               start=tok.shape[1] - opts.max_new_tokens, chunk=opts.logprob_chunk,
-                              temperature=opts.temperature, remat=False)[0]
+                              temperature=opts.temperature, remat="none",
+                              shardings=opts.mesh)[0]
 
     b, m = tokens.shape[0], opts.micro_batches
     if b % m:
@@ -276,6 +281,11 @@ def jit_step(step, shardings: tuple[Any, Any] | None = None):
 
 def compile_train_step(spec: ModelSpec, optimizer: optax.GradientTransformation,
                        opts: StepOptions, shardings: tuple[Any, Any] | None = None):
-    """The jitted GRPO step (see `jit_step`)."""
+    """The jitted GRPO step (see `jit_step`); with opts.remat auto, a step that picks its
+    policy for each batch shape it meets (`jaxrl.rl.remat.AutoRematStep`)."""
+    if opts.remat == "auto":
+        from jaxrl.rl.remat import AutoRematStep
+
+        return AutoRematStep(spec, optimizer, opts, shardings)
     return jit_step(lambda state, params, batch: train_step(
         state, params, batch, spec=spec, optimizer=optimizer, opts=opts), shardings)

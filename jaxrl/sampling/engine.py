@@ -67,8 +67,8 @@ from jaxrl.sampling.buckets import bucket
 from jaxrl.sampling.requests import EngineStats, Request
 from jaxrl.sampling.sampling_fns import (MAX_TOP_LOGPROBS, Decoding, History, RowSettings,
                                          next_token)
-from jaxrl.sharding import (MeshRules, cache_shardings, constrain, lora_shardings,
-                            param_shardings, row_shardings)
+from jaxrl.sharding import (MeshRules, cache_shardings, constrain, head_logits, head_rules,
+                            lora_shardings, param_shardings, row_shardings, vocab_top_k)
 
 
 @struct.dataclass
@@ -129,9 +129,13 @@ def init_slots(params: Params, *, spec: ModelSpec, slots: int, capacity: int,
 
 
 def _slot_shardings(shardings: MeshRules, state: Slots) -> Slots:
-    """The cache as `cache_shardings` lays it out, every other field split by slots."""
-    rest = row_shardings(shardings, state.replace(cache=None))
-    return rest.replace(cache=cache_shardings(shardings, state.cache))
+    """The cache as `cache_shardings` lays it out, the history [S, V] as the logits it
+    adjusts (`head_logits`), every other field split by slots."""
+    rest = row_shardings(shardings, state.replace(cache=None, history=None))
+    vocab = head_rules(shardings)
+    history = jax.tree_util.tree_map(lambda a: vocab.named(("batch", "vocab"), a.shape),
+                                     state.history)
+    return rest.replace(cache=cache_shardings(shardings, state.cache), history=history)
 
 
 def abstract_slots(params: Params, spec: ModelSpec, slots: int, capacity: int,
@@ -173,12 +177,14 @@ def admit(state: Slots, params: Params, lora: Lora | None, prompts: jax.Array,
     u, p = prompts.shape
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (u, p))
     pre = init_cache(spec, u, p, _cache_dtype(params, shardings))
-    h, pre = hidden_states(params, prompts, positions, spec, cache=pre, lora=lora)
+    h, pre = hidden_states(params, prompts, positions, spec, cache=pre, lora=lora,
+                           shardings=shardings)
     last = jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [U, E]
-    logits = lm_logits(params, last, spec)[src]  # [M, V]
+    logits = head_logits(shardings, lm_logits(params, last, spec)[src])  # [M, V]
     seen = jax.tree_util.tree_map(lambda a: a[src],
                                   History.of_prompts(prompts, lengths, spec.vocab_size))
-    picked = next_token(_fold(keys, 0), logits, settings, seen)
+    picked = next_token(_fold(keys, 0), logits, settings, seen,
+                        vocab_top_k(shardings, *logits.shape))
     token = picked.token
     done = jnp.isin(token, jnp.asarray(eos_ids, jnp.int32)) | (budget <= 1)
     put = lambda a, x: a.at[dst].set(x, mode="drop")
@@ -204,13 +210,15 @@ def generate(state: Slots, params: Params, lora: Lora | None, *, spec: ModelSpec
     eos = jnp.asarray(eos_ids, jnp.int32)
     ones = jnp.ones((s, c), bool)
 
+    top_k = vocab_top_k(shardings, s, spec.vocab_size)
+
     def step(carry):
         i, st, out = carry
         index = st.cache.index
         h, cache = hidden_states(params, st.last[:, None], index[:, None], spec,
-                                 attn_mask=ones, cache=st.cache, lora=lora)
-        picked = next_token(_fold(st.keys, st.count), lm_logits(params, h[:, -1], spec),
-                            st.settings, st.history)
+                                 attn_mask=ones, cache=st.cache, lora=lora, shardings=shardings)
+        logits = head_logits(shardings, lm_logits(params, h[:, -1], spec))  # [S, V]
+        picked = next_token(_fold(st.keys, st.count), logits, st.settings, st.history, top_k)
         token, live = picked.token, st.live
         done = jnp.isin(token, eos) | (st.count + 1 >= st.budget)
         column = lambda a, x: a.at[:, i].set(x)
@@ -263,10 +271,13 @@ def extend(state: Slots, params: Params, lora: Lora | None, tokens: jax.Array, s
     positions = index[:, None] + jnp.arange(a, dtype=jnp.int32)  # [S, A]
     h, cache = hidden_states(params, tokens, positions, spec,
                              attn_mask=jnp.ones((s, state.cache.max_len), bool),
-                             cache=state.cache.replace(index=index), lora=lora)
+                             cache=state.cache.replace(index=index), lora=lora,
+                             shardings=shardings)
     last = jnp.take_along_axis(h, jnp.maximum(count - 1, 0)[:, None, None], axis=1)[:, 0]
+    logits = head_logits(shardings, lm_logits(params, last, spec))  # [S, V]
     seen = _appended_history(state.history, tokens, count, spec.vocab_size)
-    picked = next_token(_fold(keys, 0), lm_logits(params, last, spec), settings, seen)
+    picked = next_token(_fold(keys, 0), logits, settings, seen,
+                        vocab_top_k(shardings, *logits.shape))
     token = picked.token
     done = jnp.isin(token, jnp.asarray(eos_ids, jnp.int32)) | (budget <= 1)
     pick = lambda new, old: jnp.where(on.reshape(-1, *([1] * (old.ndim - 1))), new, old)

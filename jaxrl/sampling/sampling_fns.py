@@ -1,8 +1,8 @@
 """Next-token selection with per-row settings: temperature, top-k, top-p, min-p, exact
 categorical draws, log-probs.
 
-Glossary: B batch (rows or decode slots), V vocab, N blocks of C consecutive vocab entries
-(two-level sampling).
+Glossary: B batch (rows or decode slots), V vocab, G groups of V / G consecutive vocab
+entries, N blocks of C consecutive entries of a group (three-level sampling).
 
 Each row carries its own settings (`RowSettings`: arrays [B]), so a decode slot's settings are
 data, not part of the compiled program. Filters follow Hugging Face `generate` in order and
@@ -31,16 +31,23 @@ temperature; for T = 0 it is the untempered log_softmax(logits). Rows that ask f
 `top_logprobs` also get the MAX_TOP_LOGPROBS most likely tokens of that distribution with their
 log-probs (computed only when some row asks).
 
-Draws: row b draws one uniform from its own key, so what a row samples does not depend on the
-rows beside it. `categorical` inverts the CDF in two levels, block sums then one block, instead
-of V Gumbel numbers per row; top-k and top-p read the top 256 entries (`lax.top_k`) and fall back
-to an exact bisection only for rows those do not decide, as a full sort over V is far slower
-(docs/benchmarks.md).
+Draws: row b draws its uniforms from its own key, so what a row samples does not depend on the
+rows beside it. `categorical` inverts the CDF in three levels, group sums, then block sums of
+one group, then one block, instead of V Gumbel numbers per row; top-k and top-p read the top
+256 entries (`lax.top_k`) and fall back to an exact bisection only for rows those do not decide,
+as a full sort over V is far slower (docs/benchmarks.md).
+
+Vocab split over a mesh (the decode step's logits, `jaxrl.sharding.head_rules`): the top-k
+that the functions take runs per part and exchanges [B, parts * k] candidates
+(`jaxrl.sharding.vocab_top_k`), the draws' groups lie whole inside each part, the chosen token's
+log-prob is a masked sum (`logits_at`), and every other reduction over V is a max or a sum; so
+nothing [B, V]-sized crosses between devices, and a mesh draws the tokens one device draws.
 """
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -48,12 +55,15 @@ import numpy as np
 from flax import struct
 
 from jaxrl.config import SamplingConfig
+from jaxrl.model.transformer import logits_at
 
+_GROUPS = 64  # G: the most vocab groups `categorical` draws among first
 _BLOCK = 128  # C: vocab entries per block in `categorical`
 _CANDIDATES = 256  # entries top-k and top-p read before they fall back to bisection
 MAX_TOP_LOGPROBS = 20  # alternatives a row can ask for per token (the OpenAI API's limit)
 MAX_LOGIT_BIAS = 300  # (token id, bias) pairs per row
 _NO_TOKEN = 2 ** 30  # the token id of an unused logit_bias entry: past any vocab, so dropped
+TopK = Callable[[jax.Array, int], tuple[jax.Array, jax.Array]]  # lax.top_k over the last axis
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,12 +193,12 @@ def _bisect_kth(logits: jax.Array, k: jax.Array) -> jax.Array:
     return jax.lax.fori_loop(0, 33, halve, (lo, hi))[0]
 
 
-def top_k_mask(logits: jax.Array, k) -> jax.Array:
+def top_k_mask(logits: jax.Array, k, top_k: TopK = jax.lax.top_k) -> jax.Array:
     """[B, V] True where a logit is among the k largest of its row (ties kept); k an int or
     [B] ints, 0 = keep all."""
     k = _per_row(k, logits)
     n = min(_CANDIDATES, logits.shape[-1])
-    top = jax.lax.top_k(logits, n)[0]  # [B, n], descending
+    top = top_k(logits, n)[0]  # [B, n], descending
     kth = _ordered(jnp.take_along_axis(top, jnp.clip(k - 1, 0, n - 1), axis=-1))
     beyond = k > n  # rows whose k-th largest lies outside the candidates
     kth = jax.lax.cond(jnp.any(beyond), lambda: jnp.where(beyond, _bisect_kth(logits, k), kth),
@@ -214,12 +224,12 @@ def _bisect_top_p(probs: jax.Array, p: jax.Array) -> jax.Array:
     return as_float(hi)[:, None]
 
 
-def top_p_mask(logits: jax.Array, p) -> jax.Array:
+def top_p_mask(logits: jax.Array, p, top_k: TopK = jax.lax.top_k) -> jax.Array:
     """[B, V] True for the nucleus: tokens whose higher-ranked mass is < p (see module doc);
     p a float or [B] floats, 1 = keep all."""
     p = _per_row(p, logits)
     probs = jax.nn.softmax(logits, axis=-1)  # [B, V]; removed (-inf) tokens get 0
-    top = jax.lax.top_k(probs, min(_CANDIDATES, probs.shape[-1]))[0]  # [B, n], descending
+    top = top_k(probs, min(_CANDIDATES, probs.shape[-1]))[0]  # [B, n], descending
     above = jnp.cumsum(top, axis=-1) - top  # mass ranked above each candidate
     last = jnp.sum(above < p, axis=-1, keepdims=True) - 1  # [B, 1] index of the last kept
     threshold = jnp.take_along_axis(top, last, axis=-1)  # [B, 1]
@@ -236,11 +246,12 @@ def min_p_mask(logits: jax.Array, min_p) -> jax.Array:
     return jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True)) >= _per_row(min_p, logits)
 
 
-def filter_logits(scaled: jax.Array, settings: RowSettings) -> jax.Array:
+def filter_logits(scaled: jax.Array, settings: RowSettings,
+                  top_k: TopK = jax.lax.top_k) -> jax.Array:
     """Temperature-scaled logits [B, V] with each row's top-k, top-p, min-p applied in HF's
     order; a filter no row uses is skipped."""
-    steps = ((settings.top_k > 0, lambda x: top_k_mask(x, settings.top_k)),
-             (settings.top_p < 1, lambda x: top_p_mask(x, settings.top_p)),
+    steps = ((settings.top_k > 0, lambda x: top_k_mask(x, settings.top_k, top_k)),
+             (settings.top_p < 1, lambda x: top_p_mask(x, settings.top_p, top_k)),
              (settings.min_p > 0, lambda x: min_p_mask(x, settings.min_p)))
     for used, keep in steps:
         scaled = jax.lax.cond(jnp.any(used), lambda x, keep=keep: jnp.where(keep(x), x, -jnp.inf),
@@ -248,36 +259,51 @@ def filter_logits(scaled: jax.Array, settings: RowSettings) -> jax.Array:
     return scaled
 
 
+def _inverse_cdf(w: jax.Array, u: jax.Array) -> jax.Array:
+    """[B] the first entry of each row of w [B, N] (weights >= 0, a positive total) whose
+    cumulative weight reaches u [B] (in (0, 1]) times the total. Never an entry of weight 0,
+    even under float rounding: the cumulative sum only grows where a weight is positive, and
+    the target lies in (0, total] (`tiny` keeps a product that underflows above zero)."""
+    cum = jnp.cumsum(w, axis=-1)
+    total = cum[:, -1:]
+    target = jnp.clip(u[:, None] * total, jnp.finfo(jnp.float32).tiny, total)
+    return jnp.minimum(jnp.sum(cum < target, axis=-1), w.shape[-1] - 1)
+
+
 def categorical(keys: jax.Array, logits: jax.Array) -> jax.Array:
     """One draw [B] per row from softmax(logits), row b from keys[b]; -inf logits never drawn.
 
-    Exact inverse-CDF sampling in two levels with two uniforms per row: the first block whose
-    cumulative weight reaches u1 * total, then the first entry of that block whose cumulative
-    weight reaches u2 * the block's total. The entry is drawn with a uniform of its own, not
-    with what is left of u1 past the blocks before it: that leftover carries the rounding of
-    the cumulative sum over every block before (~1e-6 of the total, while entries lie ~1 / V of
-    it apart), so logits that differ only in their last bits (one device against a mesh, one
-    layer loop against another) drew another token in ~0.2% of draws at V = 49152; the block's
-    own cumulative sum carries the rounding of its C entries only. Each chosen index has a
-    positive weight even under float rounding: cumulative sums only grow where a weight is
-    positive, and each uniform is scaled into (0, total] of its level."""
+    Exact inverse-CDF sampling in three levels, each with a uniform of its own: a group of
+    V / G consecutive entries (G the largest power of two up to 64 that divides V) by the
+    groups' weights, a block of C entries of that group by the blocks' weights, an entry of
+    that block by its weights. An entry is drawn with a uniform of its own, not with what is
+    left of the previous level's past the blocks before: that leftover carries the rounding of
+    the cumulative sum over every block before (~1e-6 of the total, while entries lie ~1 / V
+    of it apart), so logits that differ only in their last bits (one device against a mesh,
+    one layer loop against another) drew another token in ~0.2% of draws at V = 49152; the
+    block's own cumulative sum carries the rounding of its C entries only. The groups lie
+    whole inside each part of a vocab split over up to 64 devices, so on a mesh each device
+    sums its own groups and only [B, G] group weights and the chosen group's [B, V / G]
+    cross between devices."""
     b, v = logits.shape
-    c = min(_BLOCK, v)
-    n = -(-v // c)
-    w = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))  # [B, V]
-    w = jnp.pad(w, ((0, 0), (0, n * c - v))).reshape(b, n, c)  # [B, N, C]
-    block_cum = jnp.cumsum(jnp.sum(w, axis=-1), axis=-1)  # [B, N]
-    u = 1.0 - jax.vmap(lambda key: jax.random.uniform(key, (2,)))(keys)  # [B, 2] in (0, 1]
-    block = jnp.minimum(jnp.sum(block_cum < u[:, :1] * block_cum[:, -1:], axis=-1), n - 1)
-    inner = jnp.cumsum(jnp.take_along_axis(w, block[:, None, None], axis=1)[:, 0], axis=-1)
-    # [B, 1] in (0, block total]; `tiny` keeps a product that underflows above zero
-    rest = jnp.clip(u[:, 1:] * inner[:, -1:], jnp.finfo(jnp.float32).tiny, inner[:, -1:])
-    return (block * c + jnp.sum(inner < rest, axis=-1)).astype(jnp.int32)
+    g = math.gcd(v, _GROUPS)
+    n_in = v // g
+    c = min(_BLOCK, n_in)
+    n = -(-n_in // c)
+    w = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True)).reshape(b, g, n_in)
+    u = 1.0 - jax.vmap(lambda key: jax.random.uniform(key, (3,)))(keys)  # [B, 3] in (0, 1]
+    group = _inverse_cdf(jnp.sum(w, axis=-1), u[:, 0])  # [B]
+    chosen = (jnp.arange(g) == group[:, None])[..., None]  # [B, G, 1]
+    w = jnp.sum(jnp.where(chosen, w, 0.0), axis=1)  # [B, V / G]: the group's weights
+    w = jnp.pad(w, ((0, 0), (0, n * c - n_in))).reshape(b, n, c)  # [B, N, C]
+    block = _inverse_cdf(jnp.sum(w, axis=-1), u[:, 1])  # [B]
+    entry = _inverse_cdf(jnp.take_along_axis(w, block[:, None, None], axis=1)[:, 0], u[:, 2])
+    return (group * n_in + block * c + entry).astype(jnp.int32)
 
 
-def greedy(logits: jax.Array) -> jax.Array:
+def greedy(logits: jax.Array, top_k: TopK = jax.lax.top_k) -> jax.Array:
     """[B] the first index of each row's largest logit."""
-    return jax.lax.top_k(logits, 1)[1][:, 0].astype(jnp.int32)
+    return top_k(logits, 1)[1][:, 0].astype(jnp.int32)
 
 
 def _when_used(used: jax.Array, adjust, logits: jax.Array) -> jax.Array:
@@ -317,25 +343,26 @@ class Picked:
 
 
 def next_token(keys: jax.Array, logits: jax.Array, settings: RowSettings,
-               history: History) -> Picked:
+               history: History, top_k: TopK = jax.lax.top_k) -> Picked:
     """The next token of each row from float32 logits [B, V], row b drawn with keys[b] under
     its own settings and history; log-probs of the tempered raw distribution (module
-    docstring)."""
+    docstring). top_k: `lax.top_k` over V, or where a mesh splits V the top-k that exchanges
+    candidates (`jaxrl.sharding.vocab_top_k`)."""
     is_greedy = settings.temperature == 0
     temperature = jnp.where(is_greedy, 1.0, settings.temperature)[:, None]
     adjusted = adjust_logits(logits, settings, history)
-    best = greedy(adjusted)
+    best = greedy(adjusted, top_k)
     token = jax.lax.cond(
         jnp.all(is_greedy), lambda: best,
-        lambda: jnp.where(is_greedy, best,
-                          categorical(keys, filter_logits(adjusted / temperature, settings))))
+        lambda: jnp.where(is_greedy, best, categorical(
+            keys, filter_logits(adjusted / temperature, settings, top_k))))
     scaled = logits / temperature
     lse = jax.nn.logsumexp(scaled, axis=-1)  # [B]
     k = min(MAX_TOP_LOGPROBS, logits.shape[-1])
     top_scaled, top_ids = jax.lax.cond(
-        jnp.any(settings.top_logprobs > 0), lambda: tuple(jax.lax.top_k(scaled, k)),
+        jnp.any(settings.top_logprobs > 0), lambda: tuple(top_k(scaled, k)),
         lambda: (lse[:, None] + jnp.zeros((1, k), scaled.dtype),
                  jnp.zeros(scaled.shape[:1] + (k,), jnp.int32)))
-    chosen = jnp.take_along_axis(scaled, token[:, None], axis=-1)[:, 0]
+    chosen = logits_at(scaled, token)
     return Picked(token=token, logprob=chosen - lse, top_ids=top_ids.astype(jnp.int32),
                   top_logprobs=top_scaled - lse[:, None])

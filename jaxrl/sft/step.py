@@ -45,7 +45,7 @@ def loss_weights(batch: SftBatch) -> jax.Array:
 
 
 def sft_loss(lora, params, spec: ModelSpec, batch: SftBatch, weights: jax.Array,
-             opts: SftOptions, remat: bool = True, rng: jax.Array | None = None):
+             opts: SftOptions, remat: str = "full", rng: jax.Array | None = None):
     """(sum of -log p(target) * weight, {"tokens": loss tokens}) of a (micro-)batch; rng: the
     LoRA dropout key (None: no dropout, as in evaluation)."""
     logp, _ = token_logprobs(params, spec, batch.tokens, positions_from_mask(batch.attn_mask),
@@ -81,4 +81,4 @@ def compile_sft_step(spec: ModelSpec, optimizer: optax.GradientTransformation,
 def compile_eval_loss(spec: ModelSpec, opts: SftOptions = SftOptions()):
     """jitted (lora, params, batch) -> the batch's token-mean loss, no gradient."""
     return jax.jit(lambda lora, params, batch: sft_loss(
-        lora, params, spec, batch, loss_weights(batch), opts, remat=False)[0])
+        lora, params, spec, batch, loss_weights(batch), opts, remat="none")[0])

@@ -2,6 +2,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jaxrl.model.attention import apply_rope, inv_frequencies
 from jaxrl.model.families import spec_from_hf_config
@@ -48,6 +49,7 @@ def test_param_count_matches_declared_shapes():
     assert declare(spec)["layers/q_proj/kernel"].axes == ("layers", "embed", "heads")
 
 
+@pytest.mark.accelerator
 def test_cache_prefill_then_decode_equals_full_forward():
     spec = _spec("qwen3")
     params = init_params(spec, jax.random.PRNGKey(0), std=0.2)

@@ -12,6 +12,9 @@ from jaxrl.hf.load import load_params
 from jaxrl.lora.lora import init_lora
 from jaxrl.model.transformer import forward, positions_from_mask
 
+# runs on an accelerator too (tools/accelerator_check.sh)
+pytestmark = pytest.mark.accelerator
+
 PROMPTS = [
     "What is the capital of France?",
     "Write a haiku about autumn leaves.",

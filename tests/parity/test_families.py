@@ -10,6 +10,9 @@ from jaxrl.model.families import load_spec
 from jaxrl.model.transformer import forward, positions_from_mask
 from tests.tiny_models import LLAMA3_ROPE, make_model, padded_batch
 
+# runs on an accelerator too (tools/accelerator_check.sh)
+pytestmark = pytest.mark.accelerator
+
 CASES = [
     ("llama", dict(tie=False)),
     ("llama", dict(tie=True)),

@@ -291,6 +291,7 @@ CONFIGS = [dict(), dict(scale_dtype="bfloat16"), dict(double_quant=True), dict(m
            dict(mode="int4", double_quant=True)]
 
 
+@pytest.mark.accelerator
 @pytest.mark.parametrize("kwargs", CONFIGS)
 @pytest.mark.parametrize("dtype", [None, "bfloat16", "float32"])
 def test_jax_dequantize_equals_numpy_bit_for_bit(kwargs, dtype):
@@ -302,6 +303,7 @@ def test_jax_dequantize_equals_numpy_bit_for_bit(kwargs, dtype):
     np.testing.assert_array_equal(bits(ours), bits(host))
 
 
+@pytest.mark.accelerator
 @pytest.mark.parametrize("n_out", [512, 64, 8, 320])  # O = 2 * 256; 256 = 4 * O, 32 * O; neither
 def test_double_quant_scales_follow_the_row_major_group_numbering(n_out):
     w = rng_weights((2, 128, n_out), seed=13) * np.exp(
@@ -317,6 +319,7 @@ def test_double_quant_scales_follow_the_row_major_group_numbering(n_out):
         np.testing.assert_array_equal(np.asarray(dequantize(q))[layer], dense)
 
 
+@pytest.mark.accelerator
 @pytest.mark.parametrize("kwargs", [dict(), dict(double_quant=True), dict(mode="int4")])
 @pytest.mark.parametrize("n_out", [512, 64])
 def test_dequantize_has_no_gather_to_keep_it_fusable_into_the_matmul(kwargs, n_out):
@@ -327,6 +330,7 @@ def test_dequantize_has_no_gather_to_keep_it_fusable_into_the_matmul(kwargs, n_o
     assert "gather" not in hlo and "select" in hlo
 
 
+@pytest.mark.accelerator
 @pytest.mark.parametrize("kwargs", CONFIGS)
 def test_dequantize_under_jit_and_scan(kwargs):
     w = rng_weights((3, 256, 272), seed=11)  # 1088 scales: a partial last group of 256

@@ -45,3 +45,16 @@ def test_bfloat16_inputs_round_only_the_kernel_entries():
     for memory_bound in FORMS.values():
         got = np.asarray(qmatmul(x, q, memory_bound=memory_bound))
         assert np.all(np.abs(got - want) <= 2.0**-8 * scale)  # each entry rounded once
+
+
+@pytest.mark.parametrize("memory_bound", FORMS.values(), ids=FORMS.keys())
+def test_a_bfloat16_result_is_the_float32_one_rounded_once(memory_bound):
+    """dtype=bfloat16 rounds the float32 sums once at the end (what lets a row-parallel layer
+    reduce its partial sums in bfloat16), not each product or partial sum."""
+    rng = np.random.default_rng(2)
+    q = quantize_np(rng.normal(size=(256, 64)).astype(np.float32), double_quant=True)
+    x = jnp.asarray(rng.normal(size=(4, 1, 256)), jnp.bfloat16)
+    got = qmatmul(x, q, memory_bound=memory_bound, dtype=jnp.bfloat16)
+    assert got.dtype == jnp.bfloat16
+    want = qmatmul(x, q, memory_bound=memory_bound).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))

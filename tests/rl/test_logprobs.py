@@ -127,7 +127,7 @@ def test_compiled_memory_of_chunked_logprobs_is_a_fraction_of_full_logits():
     pos = jnp.broadcast_to(jnp.arange(T), (B, T))
 
     def full(l, p, t):
-        logits = forward(p, t, pos, spec, lora=l, remat=True)[0][:, :-1]  # [B, T-1, V]
+        logits = forward(p, t, pos, spec, lora=l, remat="full")[0][:, :-1]  # [B, T-1, V]
         return jnp.take_along_axis(jax.nn.log_softmax(logits), t[:, 1:, None], -1).sum()
 
     def chunked(l, p, t):

@@ -5,12 +5,16 @@ import math
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 from jaxrl.config import QuantConfig
 from jaxrl.model.families import spec_from_hf_config
 from jaxrl.model.params import declare
 from jaxrl.quant.qparams import abstract_quantized_params
 from jaxrl.sampling.engine import generate, init_slots
+
+# runs on an accelerator too (tools/accelerator_check.sh)
+pytestmark = pytest.mark.accelerator
 
 # ~45 MB of dense fp32 weights per layer, ~540 MB for the model (as in tests/quant/test_qlinear.py)
 MID = dict(model_type="llama", vocab_size=1024, hidden_size=1024, intermediate_size=2816,

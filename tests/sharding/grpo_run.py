@@ -13,6 +13,7 @@ if __name__ == "__main__":  # before jax is imported
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
     os.environ["JAX_PLATFORMS"] = "cpu"
 
+import dataclasses  # noqa: E402
 import functools  # noqa: E402
 
 import jax  # noqa: E402
@@ -61,7 +62,7 @@ def grpo_steps(rules: MeshRules | None, steps: int = 2) -> dict:
     if rules is not None:
         shardings = step_shardings(rules, state, params, SPEC, optimizer, ROWS)
         state, params = place((state, params), shardings[0][:2])
-    step = compile_train_step(SPEC, optimizer, OPTS, shardings)
+    step = compile_train_step(SPEC, optimizer, dataclasses.replace(OPTS, mesh=rules), shardings)
     start, stop = distributed.local_rows(rules, ROWS)
     result = {"loss": [], "grad_norm": []}
     for t in range(steps):

@@ -43,7 +43,7 @@ def _run(rules: MeshRules | None, batch: Batch | None = None):
         shardings = step_shardings(rules, state, params, SPEC, optimizer, ROWS)
         state, batch = place((state, batch), (shardings[0][0], row_shardings(rules, batch)))
     logits = fwd(params, tokens, positions, attn_mask=mask, lora=lora)[0]
-    step = compile_train_step(SPEC, optimizer, OPTS, shardings)
+    step = compile_train_step(SPEC, optimizer, dataclasses.replace(OPTS, mesh=rules), shardings)
     new_state, metrics = step(state, params, batch)
     return jax.device_get((logits, out, metrics, new_state, batch))
 
@@ -84,7 +84,7 @@ def _variant_step(rules: MeshRules | None, batch: Batch, grpo: GrpoConfig):
         params = place(params, param_shardings(rules, params, SPEC))
         shardings = step_shardings(rules, state, params, SPEC, optimizer, ROWS)
         state, batch = place((state, batch), (shardings[0][0], row_shardings(rules, batch)))
-    opts = dataclasses.replace(OPTS, grpo=grpo, seed=7)
+    opts = dataclasses.replace(OPTS, grpo=grpo, seed=7, mesh=rules)
     new_state, metrics = compile_train_step(SPEC, optimizer, opts, shardings)(state, params, batch)
     return jax.device_get((metrics, new_state))
 

@@ -3,6 +3,7 @@ dequantized up front) dequantized per layer inside the layer scan. A (2, 2, 2) m
 single-device results: the dequantized kernels bit for bit, sampled tokens and their log-probs,
 and one GRPO step (loss, gradients, updated LoRA), float32, 1e-5; and under that path the
 sampler's log-probs equal the learner's teacher-forced ones."""
+import dataclasses
 import functools
 
 import jax
@@ -115,7 +116,7 @@ def _run(rules: MeshRules | None, batch: Batch | None = None):
     if rules is not None:
         shardings = step_shardings(rules, state, params, SPEC, optimizer, ROWS)
         state, batch = place((state, batch), (shardings[0][0], row_shardings(rules, batch)))
-    step = compile_train_step(SPEC, optimizer, OPTS, shardings)
+    step = compile_train_step(SPEC, optimizer, dataclasses.replace(OPTS, mesh=rules), shardings)
     new_state, metrics = step(state, params, batch)
     return jax.device_get((outs, metrics, new_state, batch))
 
@@ -144,7 +145,7 @@ def test_mesh_matches_single_device(single, meshed):
 @functools.partial(jax.jit, static_argnums=(5, 6))
 def _teacher_forced(params, lora, tokens, positions, mask, start, temperature):
     return token_logprobs(params, SPEC, tokens, positions, mask, lora, start=start,
-                          temperature=temperature, remat=False)[0]
+                          temperature=temperature, remat="none")[0]
 
 
 @pytest.mark.parametrize("where", ["one_device", "mesh_2x2x2"])

@@ -13,7 +13,13 @@ does). Only device memory (HBM) counts: arrays the TPU compiler places on chip (
 space S(1)) are free, so a copy-start that prefetches into it costs its read. Layout padding
 (TPU tiles) is not counted.
 
-Used by tools/decode_traffic.py and tools/collectives.py.
+Collectives (`Program.collectives`) count the bytes of their result per call. XLA:CPU has no
+bfloat16 collectives: it widens them to float32 around the transfer (the operand converted up
+just before, the result converted back after), so a collective array whose operand is such a
+conversion chain through a narrower float type is counted, and named, in that narrower type,
+the type an accelerator moves. `forbidden` says why a collective must not cross the mesh.
+
+Used by tools/decode_traffic.py, tools/collectives.py and tests/sharding/test_collectives.py.
 """
 from __future__ import annotations
 
@@ -37,6 +43,12 @@ _FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "afte
 _SLICING = {"dynamic-slice", "slice", "gather"}
 _PASS_THROUGH = {"bitcast", "copy", "convert", "bitcast-convert"}
 _IN_PLACE = {"dynamic-update-slice": 1, "scatter": 2}  # opcode -> operand number of the update
+# XLA:CPU compile options for reading collectives: without its all-reduce-promotion pass, a
+# bfloat16 all-reduce keeps the conversions that show what it carries (with it, the float32
+# partial sums are reduced unrounded and look like a float32 all-reduce)
+CPU_OPTIONS = {"xla_disable_hlo_passes": "all-reduce-promotion"}
+_FLOATS = {"f8e4m3fn", "f8e5m2", "f16", "bf16", "f32", "f64"}
+_CONVERSIONS = {"convert", "bitcast", "copy"}  # what XLA:CPU puts around a widened collective
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
                "collective-permute", "ragged-all-to-all", "collective-broadcast")
 
@@ -145,6 +157,7 @@ class Move:
     result_type: str
     times: int
     depth: int  # how many loops it sits in
+    comp: str = ""  # the computation it sits in
 
 
 class Program:
@@ -203,8 +216,10 @@ class Program:
             total += inner
         return total
 
-    def moves(self, comp: str | None = None, times: int = 1, depth: int = 0) -> list[Move]:
-        """Every instruction's traffic, loops expanded by their trip counts."""
+    def moves(self, comp: str | None = None, times: int = 1, depth: int = 0,
+              every_branch: bool = False) -> list[Move]:
+        """Every instruction's traffic, loops expanded by their trip counts; of a conditional,
+        the branch that moves most (every_branch: all its branches)."""
         c = self.comps[comp or self.entry]
         shapes = {i.name: i.type for i in c.instrs}
         out = []
@@ -216,18 +231,22 @@ class Program:
                 if n is None:
                     self.uncounted_loops.append(i.name)
                     n = 1
-                out += self.moves(i.attr("body"), times * n, depth + 1)
-                out += self.moves(i.attr("condition"), times * n, depth + 1)
+                out += self.moves(i.attr("body"), times * n, depth + 1, every_branch)
+                out += self.moves(i.attr("condition"), times * n, depth + 1, every_branch)
                 continue
             if i.opcode in ("call", "async-start"):
-                out += self.moves(i.attr("to_apply") or i.attr("calls"), times, depth)
+                out += self.moves(i.attr("to_apply") or i.attr("calls"), times, depth,
+                                  every_branch)
                 continue
             if i.opcode == "conditional":
                 branches = re.findall(r"%([\w.\-]+)", i.attrs.split("branch_computations=")[-1]
                                       .split("}")[0]) or [i.attr("true_computation"),
                                                           i.attr("false_computation")]
-                costs = [self.moves(b, times, depth) for b in branches if b]
-                out += max(costs, key=lambda ms: sum(m.bytes for m in ms), default=[])
+                costs = [self.moves(b, times, depth, every_branch) for b in branches if b]
+                if every_branch:
+                    out += [m for ms in costs for m in ms]
+                else:
+                    out += max(costs, key=lambda ms: sum(m.bytes for m in ms), default=[])
                 continue
             if i.opcode == "fusion":
                 b = self._fusion_bytes(i, shapes)
@@ -240,25 +259,69 @@ class Program:
                 b = 2 * shape_bytes(i.type)
             else:
                 b = sum(shape_bytes(shapes.get(o, "")) for o in i.operands) + shape_bytes(i.type)
-            out.append(Move(b * times, i.opcode, i.name, i.op_name, i.type, times, depth))
+            out.append(Move(b * times, i.opcode, i.name, i.op_name, i.type, times, depth, c.name))
         return out
 
-    def collectives(self) -> list[Move]:
-        """Collective instructions with the bytes of their result per call (trip counts
-        applied); an async pair counts once, at its start."""
+    def collectives(self, every_branch: bool = False) -> list[Move]:
+        """Collective instructions, each with the type its result carries (module docstring)
+        as result_type and that result's bytes per call (trip counts applied); an async pair
+        counts once, at its start. every_branch: the collectives of every branch of a
+        conditional, where `moves` takes the branch that moves most."""
         kinds = tuple(COLLECTIVES) + tuple(f"{k}-start" for k in COLLECTIVES)
         out = []
-        for m in self.moves():
+        for m in self.moves(every_branch=every_branch):
             if m.opcode in kinds:
-                out.append(dataclasses.replace(m, bytes=shape_bytes(_result_of_start(m)) * m.times))
+                carried = self._carried(self.comps[m.comp].by_name()[m.name], m.comp)
+                out.append(dataclasses.replace(m, result_type=carried,
+                                               bytes=shape_bytes(carried) * m.times))
         return out
 
+    def _carried(self, instr: Instr, comp: str) -> str:
+        """A collective's result type (of an async start's (operands, results) tuple, the
+        results), each array in the narrowest float type its operand's conversion chain
+        passed through, where that is narrower than the array's."""
+        arrays = _ARRAY.findall(instr.type)
+        if instr.opcode.endswith("-start") and instr.type.startswith("(") and len(arrays) > 1:
+            arrays = arrays[len(arrays) // 2:]
+        out = []
+        for n, (dtype, dims, layout) in enumerate(arrays):
+            chain = self._conversions(comp, instr.operands[n]) if n < len(instr.operands) else []
+            floats = [t for t in chain if t in _FLOATS]
+            narrow = min(floats, key=DTYPE_BYTES.get, default=dtype)
+            if dtype in _FLOATS and DTYPE_BYTES[narrow] < DTYPE_BYTES[dtype]:
+                dtype = narrow
+            out.append(f"{dtype}[{dims}]{layout}")
+        return out[0] if len(out) == 1 else "(" + ", ".join(out) + ")"
 
-def _result_of_start(m: Move) -> str:
-    """The result type of a collective; an async start's tuple holds (operands, results):
-    the second half."""
-    if not m.opcode.endswith("-start") or not m.result_type.startswith("("):
-        return m.result_type
-    arrays = _ARRAY.findall(m.result_type)
-    half = arrays[len(arrays) // 2:] if len(arrays) > 1 else arrays
-    return " ".join(f"{d}[{s}]{layout}" for d, s, layout in half)
+    def _conversions(self, comp: str, name: str) -> list[str]:
+        """Element types along the conversions (convert, bitcast, copy, and fusions whose
+        root is one) that produce value `name` of computation `comp`, down to the first
+        value that is not a conversion, that value's type included."""
+        inner = self.comps[comp].by_name()
+        instr, types = inner.get(name), []
+        while instr is not None:
+            types += [d for d, _, _ in _ARRAY.findall(instr.type)[:1]]
+            if instr.opcode in _CONVERSIONS:
+                instr = inner.get(instr.operands[0])
+            elif instr.opcode == "fusion":
+                body = self.comps[instr.attr("calls")]
+                inner, instr = body.by_name(), body.root
+                if instr.opcode not in _CONVERSIONS:
+                    break
+            else:
+                break
+        return types
+
+
+def forbidden(result_type: str, vocab: int, kernels: set[tuple[int, ...]]) -> str | None:
+    """Why a collective's result (the type it carries) must not cross the mesh, or None: a
+    dequantized weight (a floating-point array shaped like a layer kernel [I, O] in `kernels`,
+    or a stack of them) or full-vocabulary float32 logits (a float32 array of two dims or more
+    with a dim of `vocab`)."""
+    for dtype, dims in re.findall(r"\b(bf16|f16|f32)\[([\d,]*)\]", result_type):
+        shape = tuple(int(d) for d in dims.split(",") if d)
+        if shape in kernels or shape[1:] in kernels:
+            return f"a dequantized weight {dtype}{list(shape)}"
+        if dtype == "f32" and vocab in shape and len(shape) >= 2:
+            return f"full-vocabulary float32 logits {dtype}{list(shape)}"
+    return None
