@@ -4,6 +4,8 @@ checkpoints (the pending rollout with its policy mask), resume and the adapter e
 for single-turn GRPO; `jaxrl eval` plays the held-out records as greedy episodes."""
 import json
 
+import pytest
+
 from jaxrl.cli import main
 from jaxrl.config import from_dict
 from jaxrl.rl.loop import train
@@ -16,10 +18,11 @@ def _cfg(tiny_chat, tmp_path, env: str, tasks: str, steps: int, **extra):
         "lora": {"rank": 4, "alpha": 8, "targets": ["q_proj", "v_proj"]},
         "data": {"tasks": [tasks], "prompts_per_step": 2, "env": env,
                  "max_prompt_tokens": 512},
-        "sampling": {"max_new_tokens": 12}, "grpo": {"num_generations": 2, "beta": 0.04},
+        # the rollout shapes of tests/rl/test_episodes.py: one set of engine programs
+        "sampling": {"max_new_tokens": 20}, "grpo": {"num_generations": 2, "beta": 0.04},
         # first_tool_choice required: random replies open a call they never close, so each
         # episode has an unreadable call answered by the environment and a second reply
-        "env": {"max_turns": 3, "max_tokens": 64, "first_tool_choice": "required",
+        "env": {"max_turns": 3, "max_tokens": 128, "first_tool_choice": "required",
                 "turn_cost": 0.01},
         "rewards": {"functions": ["episode"], "workers": 1, "max_staleness": 1},
         "checkpoint": {"every": 1}, "logging": {"samples_every": 1}, **extra})
@@ -29,6 +32,7 @@ def _rows(run, name):
     return [json.loads(line) for line in (run / name).read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_calculator_training_logs_checkpoints_resumes_and_exports(tiny_chat, tmp_path):
     run = train(_cfg(tiny_chat, tmp_path, "calculator", "calculator:20", 2), log=lambda m: None)
     rows = _rows(run, "metrics.jsonl")
@@ -56,6 +60,7 @@ def test_calculator_training_logs_checkpoints_resumes_and_exports(tiny_chat, tmp
     assert doc["env"]["name"] == "calculator"
 
 
+@pytest.mark.slow
 def test_diagnosis_runs_a_step(tiny_chat, tmp_path):
     cfg = _cfg(tiny_chat, tmp_path, "diagnosis", "diagnosis:8", 1,
                checkpoint={"every": 0})

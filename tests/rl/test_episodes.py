@@ -1,8 +1,8 @@
 """Multi-turn rollouts through the engine on a tiny random chat model: replies and the
 environment's answers alternate in one trajectory whose policy tokens carry exactly the
-log-probs one forward over the whole trajectory gives; environment tokens are the template's
-rendering of its answers and stay out of the policy mask; the token budget cuts an episode
-and says so; a group shares its opening prompt."""
+log-probs one forward over the whole trajectory gives, on one device and on a mesh;
+environment tokens are the template's rendering of its answers and stay out of the policy mask;
+the token budget cuts an episode and says so; a group shares its opening prompt."""
 import copy
 
 import jax
@@ -17,6 +17,7 @@ from jaxrl.envs.calculator import Calculator
 from jaxrl.hf.tokenizer import continuation_text, eos_token_ids, load_tokenizer
 from jaxrl.model.transformer import forward, positions_from_mask
 from jaxrl.rl.episodes import Chat, episode_metrics, play
+from tests.sharding.grpo_run import mesh_rules
 
 
 @pytest.fixture(scope="module")
@@ -36,10 +37,13 @@ def _cfg(**env):
                               "first_tool_choice": "required", **env}})
 
 
-def test_trajectory_logprobs_equal_one_forward_and_env_tokens_are_masked(chat_model):
+@pytest.mark.parametrize("mesh", [None, pytest.param("2,2,2", marks=pytest.mark.slow)])
+def test_trajectory_logprobs_equal_one_forward_and_env_tokens_are_masked(chat_model, mesh):
     spec, params, chat = chat_model
     records = [r for r in generate("calculator", 2, seed=1) for _ in range(2)]
-    prompts, out, played = play(params, spec, records, jax.random.PRNGKey(0), _cfg(), chat)
+    rules = None if mesh is None else mesh_rules(mesh)  # data, fsdp, tensor over 8 devices
+    prompts, out, played = play(params, spec, records, jax.random.PRNGKey(0), _cfg(), chat,
+                                shardings=rules)
     assert prompts[0] == prompts[1] and prompts[0].endswith("<|im_start|>assistant\n<tool_call>\n")
     tokens = np.concatenate([out.prompt_tokens, out.tokens], axis=1)
     mask = np.concatenate([out.prompt_mask, out.mask], axis=1)

@@ -18,7 +18,7 @@ from tests.tiny_models import make_model
 # the environment appends); None keeps the whole previous turn
 CONVERSATIONS = [
     ([5, 9, 31, 7, 100], [(None, [40, 41, 42]), (3, [7, 8])]),
-    ([17, 2, 88, 19], [(2, [60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71, 72, 73, 74, 75, 76])]),
+    ([17, 2, 88, 19], [(2, [60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71])]),
     ([64, 3], [(5, [9]), (None, [11, 12, 13])]),
 ]
 
@@ -30,12 +30,25 @@ def tiny(tmp_path_factory):
     return load_params(path)
 
 
-def _teacher_forced(params, spec, tokens, positions, temperature):
-    """log_softmax(logits / T)[next token] at `positions` by one forward over tokens."""
-    ids = jnp.asarray([tokens])
-    logits = forward(params, ids, jnp.arange(len(tokens))[None], spec)[0][0]
+WIDTH = 64  # every engine here has 64 cache columns (one set of programs for all tests)
+
+
+def _teacher_forced(params, spec, conversations, temperature):
+    """Per conversation (tokens, sampled positions, ...): log_softmax(logits / T)[next token] at
+    its positions, by one forward over all conversations right-padded to WIDTH (causal: the
+    padding after a conversation changes none of its logits)."""
+    ids = np.zeros((len(conversations), WIDTH), np.int32)
+    for row, (tokens, *_) in enumerate(conversations):
+        ids[row, :len(tokens)] = tokens
+    logits = forward(params, jnp.asarray(ids), jnp.arange(WIDTH)[None].repeat(len(ids), 0),
+                     spec)[0]
     logp = np.asarray(jax.nn.log_softmax(logits / temperature, axis=-1))
-    return np.asarray([logp[p - 1, tokens[p]] for p in positions])
+    return [logp[row, np.asarray(p) - 1, ids[row, p]]
+            for row, (_, p, *_) in enumerate(conversations)]
+
+
+def _engine(params, spec):
+    return Engine(params, spec, slots=4, capacity=WIDTH, chunk=4)
 
 
 def _converse(engine, decoding, budget=6, seed=0):
@@ -72,19 +85,19 @@ def _converse(engine, decoding, budget=6, seed=0):
 
 def test_continued_logprobs_equal_one_forward_over_the_conversation(tiny):
     spec, params = tiny
-    engine = Engine(params, spec, slots=4, capacity=64, chunk=4)
+    engine = _engine(params, spec)
     conversations, _ = _converse(engine, Decoding(0.8))
     assert engine.stats.prefills == 4 and engine.stats.continued == 5
-    for tokens, policy, logprobs, _ in conversations:
-        want = _teacher_forced(params, spec, tokens, policy, 0.8)
+    wants = _teacher_forced(params, spec, conversations, 0.8)
+    for (_, _, logprobs, _), want in zip(conversations, wants):
         np.testing.assert_allclose(logprobs, want, atol=1e-5, rtol=0)
 
 
 def test_greedy_continuation_equals_a_fresh_prefill_and_neighbours_are_unaffected(tiny):
     spec, params = tiny
-    engine = Engine(params, spec, slots=4, capacity=64, chunk=4)
+    engine = _engine(params, spec)
     conversations, plain = _converse(engine, Decoding(0.0))
-    alone = Engine(params, spec, slots=1, capacity=64, chunk=4)
+    alone = _engine(params, spec)
     plain_alone = alone.submit(Request([3, 1, 4, 1, 5], Decoding(0.0), 12))
     alone.run()
     assert plain.tokens == plain_alone.tokens
@@ -97,7 +110,7 @@ def test_greedy_continuation_equals_a_fresh_prefill_and_neighbours_are_unaffecte
 
 def test_continuations_are_checked(tiny):
     spec, params = tiny
-    engine = Engine(params, spec, slots=2, capacity=32, chunk=4)
+    engine = _engine(params, spec)
     free = engine.submit(Request([5, 6, 7], Decoding(0.0), 4))
     held = engine.submit(Request([5, 6, 7], Decoding(0.0), 4, hold=True))
     engine.run()
@@ -105,8 +118,8 @@ def test_continuations_are_checked(tiny):
         engine.submit(Request([1], follows=free))
     with pytest.raises(ValueError, match="keeps between 1 and the 4 tokens"):
         engine.submit(Request([1], follows=held, keep=5))
-    with pytest.raises(ValueError, match="would reach column"):
-        engine.submit(Request([1] * 20, max_new_tokens=8, follows=held))
+    with pytest.raises(ValueError, match="would reach column 65"):
+        engine.submit(Request([1] * 50, max_new_tokens=8, follows=held))
     engine.release(held)
     with pytest.raises(ValueError, match="not been continued or released"):
         engine.release(held)
