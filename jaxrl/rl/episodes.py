@@ -63,7 +63,6 @@ class Episode:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     transcript: list[dict] = dataclasses.field(default_factory=list)  # replies and answers
     cut: bool = False  # ran out of tokens (env.max_tokens)
-    over: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +75,7 @@ class Chat:
 
     @property
     def syntax(self):
+        """The template's tool-call markup, None when it renders no tools."""
         return syntax_of(self.tokenizer.chat_template)
 
     def opening(self, env: Environment, record: dict) -> tuple[str, str]:
@@ -140,7 +140,7 @@ class _Player:
         ids = [] if turn.done else self.chat.continuation(
             turn.messages, last if last in self.chat.eos_ids else None)
         if turn.done or len(ids) + 1 > room:
-            episode.cut, episode.over = not turn.done, True
+            episode.cut = not turn.done
             self.engine.release(request)
             return
         episode.tokens += ids
