@@ -105,7 +105,6 @@ class Environment(ABC):
         self.cfg = cfg
         self.syntax = syntax or HERMES
         self.template_tools = syntax is not None
-        self.record: Mapping[str, Any] = {}
         self.turns = 0
         self.calls: list[dict] = []
         self.conclusion: dict | None = None
@@ -133,7 +132,8 @@ class Environment(ABC):
         """The conclusion a reply without calls states (JSON), for the rewards."""
 
     def reset(self, record: Mapping[str, Any]) -> list[dict]:
-        self.record = record
+        """The opening messages: system (instructions, and the tools when the template renders
+        none), the demonstration when env.demonstration, then the task."""
         system, task = self.opening(record)
         if not self.template_tools:
             system = system + "\n\n" + describe_tools(self.tools, self.example)
@@ -167,6 +167,7 @@ class Environment(ABC):
         return {"function": {"name": choice}}
 
     def step(self, text: str) -> Turn:
+        """The environment's answer to one reply (module docstring)."""
         self.turns += 1
         parsed = self.syntax.parse(text)
         if parsed is None and self.syntax.markup_start(text, 0) is not None:
