@@ -32,6 +32,7 @@ POLICY_LOSSES = ("grpo", "cispo")  # rl/losses.py gives the math of each
 IMPORTANCE_LEVELS = ("token", "sequence")
 SCHEDULES = ("constant", "cosine")
 REMAT_CHOICES = ("auto", "none", "dots", "full")
+ENV_NAMES = ("calculator", "diagnosis")  # jaxrl/envs/__init__.py registers each
 
 _STRS, _FLOATS = STRS, FLOATS
 
@@ -103,6 +104,8 @@ class DataConfig(_Group):
     # text after the chat template's assistant header, e.g. "<think>" (as R1-style templates
     # do); the completion continues it and the format reward counts it
     response_prefix: str = ""
+    # a multi-turn environment that plays the records (jaxrl/envs/); "" = single-turn GRPO
+    env: str = _setting("", choices=("",) + ENV_NAMES)
 
 
 @dataclass(frozen=True)
@@ -115,6 +118,24 @@ class SamplingConfig(_Group):
     max_new_tokens: int = _setting(128, ge=1)
     stop: _STRS = ()
     slots: int = _setting(0, ge=0)  # decode slots; 0 = one per row (fewer: refilled as rows end)
+
+
+@dataclass(frozen=True)
+class EnvConfig(_Group):
+    """Multi-turn episodes (data.env): their limits and the process terms of the `episode`
+    reward (jaxrl/envs/calculator.py and diagnosis.py say how each environment scores)."""
+    max_turns: int = _setting(4, ge=1)  # policy replies per episode
+    # tokens after the opening prompt (replies and environment messages): the trajectory budget
+    # and the learner's completion width; sampling.max_new_tokens bounds each reply
+    max_tokens: int = _setting(512, ge=2)
+    # the first reply's tool_choice, as in the OpenAI API: auto (free), required (it opens with
+    # the tool-call markup) or a tool's name (it opens with a call of that tool)
+    first_tool_choice: str = "auto"
+    demonstration: bool = False  # the opening shows one worked episode before the task
+    turn_cost: float = _setting(0.0, ge=0)  # subtracted per reply
+    evidence_bonus: float = _setting(0.0, ge=0)  # a tool returned output before the conclusion
+    fabrication_penalty: float = _setting(0.0, ge=0)  # per quote of text never retrieved
+    relevant_credit: float = _setting(0.5, ge=0, le=1)  # diagnosis: only the category right
 
 
 @dataclass(frozen=True)
@@ -236,6 +257,7 @@ class Config:
     mesh: MeshConfig = field(default_factory=MeshConfig)
     data: DataConfig = field(default_factory=DataConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     grpo: GrpoConfig = field(default_factory=GrpoConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     sft: SftConfig = field(default_factory=SftConfig)
@@ -337,6 +359,18 @@ def _check_grpo(grpo: GrpoConfig) -> None:
                           f"{grpo.loss_agg!r}")
 
 
+def _check_env(cfg: Config) -> None:
+    episode = any(entry.name == "episode" for entry in cfg.rewards.functions)
+    if episode and not cfg.data.env:
+        raise ConfigError("reward 'episode' scores multi-turn episodes; set config key "
+                          f"'data.env' to one of {', '.join(ENV_NAMES)} or drop the reward")
+    if cfg.data.env and cfg.rewards.overlong_buffer:
+        raise ConfigError("config key 'rewards.overlong_buffer' penalizes single completions "
+                          "near sampling.max_new_tokens; with data.env an episode's length is "
+                          "env.max_tokens: set rewards.overlong_buffer=0 (env.turn_cost prices "
+                          "each reply)")
+
+
 def _check_cross(cfg: Config) -> None:
     if not cfg.model.path.strip():
         raise ConfigError("config key 'model.path' is empty: this config needs a base model; "
@@ -348,6 +382,7 @@ def _check_cross(cfg: Config) -> None:
                           "run directory or checkpoints/N directory; got ''")
     _check_rewards(cfg.rewards)
     _check_grpo(cfg.grpo)
+    _check_env(cfg)
     if cfg.rewards.overlong_buffer > cfg.sampling.max_new_tokens:
         raise ConfigError(f"config key 'rewards.overlong_buffer' ({cfg.rewards.overlong_buffer}) "
                           "must be at most 'sampling.max_new_tokens' "

@@ -162,7 +162,7 @@ def test_unknown_key_in_yaml_names_file(tmp_path):
 
 
 def test_unknown_group():
-    with _raises("unknown config group 'grpp'; valid groups: checkpoint, data, grpo, judge, "
+    with _raises("unknown config group 'grpp'; valid groups: checkpoint, data, env, grpo, judge, "
                  "logging, lora, mesh, model, optim, quant, rewards, run, sampling, sft; "
                  "did you mean 'grpo'?") as err:
         from_dict({"grpp": {"beta": 0.1}})
@@ -302,8 +302,8 @@ def test_reward_functions_take_names_or_name_weight_mappings(tmp_path):
 
 def test_reward_functions_errors():
     with _raises("config key 'rewards.functions' names unknown reward 'corectness'; valid "
-                 "rewards: cedar, cedar_coverage, cedar_directionality, correctness, format, "
-                 "spring; "
+                 "rewards: cedar, cedar_coverage, cedar_directionality, correctness, episode, "
+                 "format, spring; "
                  "did you mean 'correctness'?") as err:
         apply_overrides(Config(), ["rewards.functions=[corectness]"])
     assert err.value.exit_code == 2

@@ -5,12 +5,15 @@ Each run NAME trains into OUT/NAME (config.yaml, metrics.jsonl, adapter/, report
 at temperature 0 on the validation split of the same tasks (records never trained on) into
 OUT/NAME/eval.json, and writes OUT/NAME/summary.md (per-task held-out accuracy of base and adapter
 with Wilson 95% intervals) plus two plots: accuracy.png (before / after per task) and
-rewards.png (training reward per step, total and per reward function). Dotted overrides after
+rewards.png (training reward per step, total and per reward function). A multi-turn run
+(data.env) is evaluated as greedy episodes; its summary adds tool-call validity, replies and
+calls per episode, and episodes.png draws them with the training curves. Dotted overrides after
 the options change the run (an ablation is the same config with other overrides and a name).
 
     python tools/learning_run.py                                   # docs/results.md, main run
     python tools/learning_run.py --name correctness_only 'rewards.functions=[correctness]'
     python tools/learning_run.py --name smoke run.steps=2 'data.tasks=[arithmetic:40]'
+    python tools/learning_run.py --config configs/calculator_cpu.yaml --out runs/calculator
 """
 from __future__ import annotations
 
@@ -95,9 +98,63 @@ def plot_rewards(metrics: list[dict], out: Path) -> Path:
     return out
 
 
-def _acc(row: dict) -> str:
-    return (f"{row['accuracy']:.3f} [{row['accuracy_ci95_low']:.3f}, "
-            f"{row['accuracy_ci95_high']:.3f}]")
+def _bars(ax, doc: dict, keys: list[str], labels: list[str], ylabel: str) -> None:
+    """Base and adapter side by side for each held-out metric of `keys` (all tasks), with
+    Wilson 95% intervals where the metric has one."""
+    names = list(doc["variants"])
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        row = doc["variants"][name]["all"]
+        values = [row[k] for k in keys]
+        err = [[max(v - row.get(f"{k}_ci95_low", v), 0.0) for k, v in zip(keys, values)],
+               [max(row.get(f"{k}_ci95_high", v) - v, 0.0) for k, v in zip(keys, values)]]
+        xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(keys))]
+        ax.bar(xs, values, width, yerr=err, capsize=3, label=name)
+    ax.set_xticks(range(len(keys)), labels)
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize=8)
+
+
+def plot_episodes(doc: dict, metrics: list[dict], out: Path) -> Path:
+    """Multi-turn runs (data.env): held-out accuracy and tool-call validity with Wilson 95%
+    intervals, replies and calls per episode, and the training curves of both rates."""
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.4))
+    _bars(axes[0], doc, ["accuracy", "valid_call_frac"], ["accuracy", "valid calls"],
+          "held-out rate (T = 0)")
+    axes[0].set_ylim(0, 1)
+    _bars(axes[1], doc, ["turns_mean", "calls_mean"], ["replies", "tool calls"],
+          "per held-out episode")
+    steps = [m["step"] for m in metrics]
+    for key, label in (("episode/valid_call_frac", "valid calls"),
+                       ("reward/episode/correct/mean", "correct answers"),
+                       ("episode/concluded_frac", "concluded")):
+        if key in metrics[0]:
+            axes[2].plot(steps, [m.get(key) for m in metrics], label=label)
+    axes[2].set_xlabel("step")
+    axes[2].set_ylabel("training rate (T = sampling)")
+    axes[2].set_ylim(0, 1)
+    axes[2].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def _acc(row: dict, key: str = "accuracy") -> str:
+    return f"{row[key]:.3f} [{row[f'{key}_ci95_low']:.3f}, {row[f'{key}_ci95_high']:.3f}]"
+
+
+def _episode_lines(base: dict, adapter: dict) -> list[str]:
+    """Rows of the held-out episode metrics (multi-turn runs)."""
+    rows = [("valid tool calls / calls [95% CI]", _acc(base, "valid_call_frac"),
+             _acc(adapter, "valid_call_frac"))]
+    rows += [(label, f"{base[k]:.3f}", f"{adapter[k]:.3f}") for k, label in
+             (("turns_mean", "replies per episode"), ("calls_mean", "tool calls per episode"),
+              ("concluded_frac", "episodes ending in an answer"),
+              ("truncated_frac", "episodes cut at env.max_tokens"),
+              ("reward_mean", "episode reward"))]
+    return ["", "| held-out episodes | base | adapter |", "| --- | ---: | ---: |",
+            *(f"| {label} | {b} | {a} |" for label, b, a in rows)]
 
 
 def summary(doc: dict, metrics: list[dict], seconds: dict[str, float]) -> str:
@@ -108,6 +165,8 @@ def summary(doc: dict, metrics: list[dict], seconds: dict[str, float]) -> str:
     for name, b, a in scopes + [("all", base["all"], adapter["all"])]:
         lines.append(f"| {name} | {int(b['n'])} | {_acc(b)} | {_acc(a)} | "
                      f"{a['accuracy'] - b['accuracy']:+.3f} |")
+    if "env" in doc:
+        lines += _episode_lines(base["all"], adapter["all"])
     first, last = metrics[0], metrics[-1]
     lines += ["", f"training: {len(metrics)} steps, mean reward {first['reward/mean']:.3f} at "
               f"step {first['step']} and {last['reward/mean']:.3f} at step {last['step']} "
@@ -132,6 +191,8 @@ def main() -> None:
     metrics = _read_metrics(run_dir)
     plot_accuracy(doc, run_dir / "accuracy.png")
     plot_rewards(metrics, run_dir / "rewards.png")
+    if "env" in doc:
+        plot_episodes(doc, metrics, run_dir / "episodes.png")
     text = summary(doc, metrics, seconds)
     (run_dir / "summary.md").write_text(text)
     print(text)

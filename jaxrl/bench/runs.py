@@ -37,7 +37,7 @@ def _timed(fn):
 
 def _admit_inputs(subject: Subject, batch: int, prompt_tokens: int, slots: int):
     """Arguments of `admit` filling `batch` slots from as many distinct random prompts."""
-    from jaxrl.sampling.engine import row_keys
+    from jaxrl.sampling.requests import row_keys
     from jaxrl.sampling.sampling_fns import Decoding, RowSettings
 
     m, width = bucket(batch, minimum=1), bucket(prompt_tokens)
@@ -234,7 +234,8 @@ def engine_workload(subject: Subject, requests: int, mean_new_tokens: float,
 
 
 def _engine_pass(subject: Subject, prompts, new, slots: int):
-    from jaxrl.sampling.engine import Engine, Request, row_keys
+    from jaxrl.sampling.engine import Engine
+    from jaxrl.sampling.requests import Request, row_keys
     from jaxrl.sampling.sampler import REFILL_CHUNK
     from jaxrl.sampling.sampling_fns import Decoding
 

@@ -14,6 +14,8 @@ def register(sub) -> None:
         "adapter; score each task's accuracy with its verifier, Spring's metrics for formal "
         "tasks (knk, zebra) and, when judge.base_url and judge.model are set, CEDAR's seven "
         "process metrics through the judge (failures counted apart, never scored 0). "
+        "With data.env each record is played as one greedy episode of that environment: "
+        "accuracy, the valid share of tool calls, replies and calls per episode. "
         "--compare evaluates the base and the adapter and prints the difference. Writes the "
         "results JSON (--out) and the completions beside it (NAME_outputs.jsonl), prints a "
         "table. Without --config: configs/quickstart.yaml.")

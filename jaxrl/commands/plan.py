@@ -209,24 +209,28 @@ def lower_prefill(cfg, spec, rules, run: AbstractRun):
 
 
 def _capacity(cfg) -> int:
+    """Cache columns per slot: the prompt bucket plus the new-token bucket, or with data.env
+    the episode's token budget (multi-turn rollouts, jaxrl/rl/episodes.py)."""
     from jaxrl.sampling.buckets import bucket
 
-    return bucket(cfg.data.max_prompt_tokens) + bucket(cfg.sampling.max_new_tokens)
+    return bucket(cfg.data.max_prompt_tokens) + (
+        cfg.env.max_tokens if cfg.data.env else bucket(cfg.sampling.max_new_tokens))
 
 
 def lower_step(cfg, spec, rules, run: AbstractRun, remat: str):
     """The GRPO train step lowered for a batch of the run's rows: the prompt bucket plus
-    sampling.max_new_tokens columns, micro-batched as optim.micro_batch_size says, recomputing
-    as the remat policy `remat` (none, dots or full) says."""
+    sampling.max_new_tokens columns (env.max_tokens with data.env), micro-batched as
+    optim.micro_batch_size says, recomputing as the remat policy `remat` (none, dots or full)
+    says."""
     import jax
     import jax.numpy as jnp
 
-    from jaxrl.rl.session import step_options
+    from jaxrl.rl.session import completion_width, step_options
     from jaxrl.rl.train_step import Batch, compile_train_step
     from jaxrl.sampling.buckets import bucket
     from jaxrl.sharding import step_shardings
 
-    b, n = run.rows, cfg.sampling.max_new_tokens
+    b, n = run.rows, completion_width(cfg)
     s = bucket(cfg.data.max_prompt_tokens) + n
     sds = jax.ShapeDtypeStruct
     batch = Batch(tokens=sds((b, s), jnp.int32), positions=sds((b, s), jnp.int32),
@@ -245,13 +249,13 @@ def lower_reference(cfg, spec, rules, run: AbstractRun):
     import jax
     import jax.numpy as jnp
 
-    from jaxrl.rl.session import step_options
+    from jaxrl.rl.session import completion_width, step_options
     from jaxrl.rl.train_step import compile_reference
     from jaxrl.sampling.buckets import bucket
     from jaxrl.sharding import reference_shardings
 
     b = run.rows
-    s = bucket(cfg.data.max_prompt_tokens) + cfg.sampling.max_new_tokens
+    s = bucket(cfg.data.max_prompt_tokens) + completion_width(cfg)
     shardings = reference_shardings(rules, run.params, spec, b)
     rows = jax.ShapeDtypeStruct((b, s), jnp.int32, sharding=shardings[1])
     mask = jax.ShapeDtypeStruct((b, s), jnp.bool_, sharding=shardings[1])

@@ -11,9 +11,12 @@ def register(sub) -> None:
     train = sub.add_parser(
         "train", help="GRPO post-training (no --config: the quickstart)",
         description="Run GRPO: rollouts with the jitted sampler, rewards on host workers, "
-        "LoRA updates over the frozen (NF4) base. Without --config it runs "
-        "configs/quickstart.yaml on the embedded default model. Prints the run directory, which "
-        "holds config.yaml, metrics.jsonl, samples.jsonl and report.png.")
+        "LoRA updates over the frozen (NF4) base. With data.env=calculator|diagnosis each row is "
+        "a multi-turn episode: the model calls the environment's tools, their results are "
+        "appended to its KV cache and kept out of the loss, and the episode reward scores the "
+        "whole trajectory (env.* sets turns, token budget and process terms). Without --config "
+        "it runs configs/quickstart.yaml on the embedded default model. Prints the run "
+        "directory, which holds config.yaml, metrics.jsonl, samples.jsonl and report.png.")
     train.add_argument("--config", metavar="FILE", help="YAML run config")
     train.add_argument("overrides", nargs="*", metavar="key=value",
                        help="dotted overrides, e.g. grpo.beta=0.01 run.steps=50")

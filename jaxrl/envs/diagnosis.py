@@ -1,4 +1,5 @@
-"""Offline incident cases: a hidden fault in a generated system of hosts, services and a database.
+"""Offline incident cases: a hidden fault in a generated system of hosts, services and a database;
+and the diagnosis environment (`Diagnosis`) that plays them for multi-turn training.
 
 The system has three application hosts, one service on each, and a database on its own host.
 One fault from `diagnosis.yaml` is placed on it; the fault's alerts become the signals (with, in
@@ -11,13 +12,19 @@ Deterministic: case i of `generate_cases(n, seed)` depends only on (seed, i).
 from __future__ import annotations
 
 import random
+import re
+from collections.abc import Mapping
 from functools import lru_cache
 from importlib import resources
 from typing import Any
 
 import yaml
 
-from jaxrl.envs.base import Case, Gold
+from jaxrl.agents.grounding import grounded, judge
+from jaxrl.config import EnvConfig
+from jaxrl.envs.base import Case, Gold, case_from_json
+from jaxrl.envs.protocol import Demonstration, Environment, EpisodeError, ToolError, function
+from jaxrl.rewards.base import answer_span
 
 DOMAIN = "distributed-systems"
 _SERVICES = ("checkout", "payments", "search", "catalog", "auth", "cart", "billing", "inventory")
@@ -123,3 +130,121 @@ def generate_cases(n: int, seed: int = 0) -> list[Case]:
     order = list(range(len(catalog()["faults"])))
     random.Random(f"diagnosis-order:{seed}").shuffle(order)
     return [generate_case(seed, i, order[i % len(order)]) for i in range(n)]
+
+
+INSTRUCTIONS = (
+    "You are the on-call operator investigating an incident. Request evidence with the tools; "
+    "each takes a target: a host, service or database named in the layout. When the evidence "
+    "shows the root cause, reply without a tool call, in this form:\n<answer>\n"
+    "category: <fault category, e.g. disk, memory, cpu, network, database>\n"
+    "root cause: <the fault> on <component>\n"
+    'evidence: "<a line quoted exactly from a tool output>"\n</answer>')
+DEMO_SEED = -1  # the demonstration's case (generated cases use seeds >= 0)
+_DISK_FULL = 1  # its fault: catalog()["faults"][1], whose evidence is df on the host
+_FIELD = r"^\s*{}\s*:\s*(.*)$"
+_QUOTE = re.compile(r'"([^"\n]{1,400})"')
+
+
+def task_text(case: Case) -> str:
+    """The user message of a case: its layout, its alerts and what to find."""
+    alerts = "\n".join(f"- {signal}" for signal in case.signals)
+    return (f"{case.context}\n\nAlerts:\n{alerts}\n\nFind the root cause: the fault and the "
+            "component it is on.")
+
+
+def _field(text: str, name: str) -> str:
+    match = re.search(_FIELD.format(name), text, flags=re.IGNORECASE | re.MULTILINE)
+    return "" if match is None else match.group(1).strip()
+
+
+def read_conclusion(text: str) -> dict:
+    """The category, root cause and quoted evidence of a concluding reply (its <answer> span,
+    else all of it; a reply without the `root cause:` line is read whole as the cause)."""
+    span = answer_span(text)
+    body = text if span is None else span
+    return {"text": text, "category": _field(body, "category"),
+            "root_cause": _field(body, "root cause") or body.strip(),
+            "quotes": _QUOTE.findall(body)}
+
+
+def _case_of(record: Mapping[str, Any]) -> Case:
+    case = record.get("metadata", {}).get("case")
+    if not isinstance(case, Mapping):
+        raise EpisodeError(f"the diagnosis environment plays records with a case in "
+                           f"metadata['case'] (jaxrl data --task diagnosis); record "
+                           f"{record.get('id')!r} has none")
+    return case_from_json(case)
+
+
+class Diagnosis(Environment):
+    """An incident case (module docstring): each case tool is a function of one `target`; the
+    conclusion states the category, the root cause and quoted evidence.
+
+    Reward (`score`): Match 1, else Relevant `env.relevant_credit` (agents/grounding.py judges
+    both), plus `env.evidence_bonus` when tool output was retrieved before concluding, minus
+    `env.fabrication_penalty` per quote found in no text the agent saw (context, alerts,
+    retrieved output), minus `env.turn_cost` per reply."""
+
+    name = "diagnosis"
+    outcome = "match"  # the score component that is the episode's accuracy
+    example = {"name": "logs", "arguments": {"target": "checkout"}}
+    case: Case
+
+    @property
+    def tools(self) -> list[dict]:
+        return [function(tool, text, {"target": "the component to inspect"})
+                for tool, text in self.case.tools.items()]
+
+    def opening(self, record: Mapping[str, Any]) -> tuple[str, list[dict]]:
+        self.case = _case_of(record)
+        return INSTRUCTIONS, [m for m in record["messages"] if m["role"] != "system"]
+
+    def demonstration(self) -> Demonstration:
+        """A disk-full case: df on the full host, quoted in the conclusion."""
+        case = generate_case(seed=DEMO_SEED, index=0, fault_index=_DISK_FULL)
+        host = case.gold.component
+        output = case.request("df", host)
+        quote = output.splitlines()[-1]
+        return Demonstration(task_text(case), {"name": "df", "arguments": {"target": host}},
+                             output, f"<answer>\ncategory: {case.gold.coarse}\nroot cause: "
+                             f"{case.gold.fine} on {host}\nevidence: \"{quote}\"\n</answer>")
+
+    def run(self, name: str, arguments: Mapping[str, Any]) -> str:
+        target = arguments.get("target")
+        if name not in self.case.tools:
+            raise ToolError(f"unknown tool {name!r}; tools: {', '.join(sorted(self.case.tools))}")
+        if not isinstance(target, str) or not target.strip():
+            raise ToolError(f'{name} takes {{"target": "<host, service or database>"}}')
+        return self.case.request(name, target.strip())
+
+    def conclude(self, text: str) -> dict:
+        return read_conclusion(text)
+
+    @staticmethod
+    def score(record: Mapping[str, Any], episode: Mapping[str, Any],
+              cfg: EnvConfig) -> tuple[float, dict[str, float], dict[str, Any]]:
+        """(value, components, info) of an episode (class docstring)."""
+        case, conclusion = _case_of(record), episode.get("conclusion")
+        calls = episode.get("calls", [])
+        retrieved = [c["output"] for c in calls if c["valid"]]
+        if conclusion is None:
+            verdict, quotes = {"match": False, "relevant": False}, []
+        else:
+            fine = conclusion["root_cause"]
+            verdict = judge(fine, f"{conclusion['category']} {fine}", case.gold)
+            quotes = conclusion["quotes"]
+        seen = [case.context, *case.signals, *retrieved]
+        fabricated = sum(not grounded(q, seen) for q in quotes)
+        evidence = float(bool(retrieved) and conclusion is not None)
+        outcome = 1.0 if verdict["match"] else cfg.relevant_credit * verdict["relevant"]
+        turns = float(episode.get("turns", 0))
+        value = (outcome + cfg.evidence_bonus * evidence - cfg.fabrication_penalty * fabricated
+                 - cfg.turn_cost * turns)
+        components = {"match": float(verdict["match"]), "relevant": float(verdict["relevant"]),
+                      "evidence": evidence, "quotes": float(len(quotes)),
+                      "fabricated": float(fabricated), "turns": turns,
+                      "calls": float(len(calls)), "valid_calls": float(len(retrieved))}
+        info = {"finish": episode.get("finish")}
+        if conclusion is None:
+            info["error"] = "no_conclusion"
+        return value, components, info

@@ -93,7 +93,7 @@ def difference(first: Mapping, second: Mapping) -> dict:
     """second - first for every metric both have a number for ("all" and each shared task)."""
     def diff(a: Mapping, b: Mapping) -> dict[str, float]:
         return {k: b[k] - a[k] for k in a if k in b and isinstance(a[k], float)
-                and isinstance(b[k], float) and not k.startswith("accuracy_ci95")}
+                and isinstance(b[k], float) and "_ci95_" not in k}
 
     shared = [t for t in first["tasks"] if t in second["tasks"]]
     return {"all": diff(first["all"], second["all"]),

@@ -1,5 +1,7 @@
 """`jaxrl eval`: completions at temperature 0 on the evaluation records (or read from a file),
 then the metrics of jaxrl/eval/metrics.py per variant, and their difference when there are two.
+With `data.env` each record is played as one greedy episode of that environment and scored by
+it (jaxrl/eval/episodes.py).
 
 Records: the validation split of `data.tasks` (jaxrl/data/pipeline.py), or `data.eval_file`.
 Prompts are rendered as in training (chat template, then `data.response_prefix`) and decoded
@@ -86,15 +88,20 @@ def score_variants(cfg: Config, variants: Mapping[str, list[dict]], phase) -> di
     are two, and whether the CEDAR metrics ran."""
     from jaxrl.rewards.judge import Judge
 
+    from jaxrl.eval.episodes import evaluate_episodes
+
     results = {}
     for name, records in variants.items():
+        if cfg.data.env:  # episodes, scored by their environment
+            results[name] = evaluate_episodes(cfg, records)
+            continue
         judge = Judge(cfg.judge, cfg.run.output_dir) if _judging(cfg) else None
         advance = phase(f"judging {name}", len(records)) if judge else (lambda: None)
         results[name] = evaluate(cfg, records, judge, advance)
     doc: dict = {"variants": {n: {k: v for k, v in r.items() if k != "correctness"}
                               for n, r in results.items()},
-                 "cedar": f"judged by {cfg.judge.model}" if _judging(cfg) else
-                 "not run: set judge.base_url and judge.model"}
+                 "cedar": f"judged by {cfg.judge.model}" if _judging(cfg) and not cfg.data.env
+                 else "not run: set judge.base_url and judge.model (single-turn tasks)"}
     names = list(results)
     if len(names) == 2:
         doc["difference"] = {"of": f"{names[1]} - {names[0]}",
@@ -116,18 +123,24 @@ def run_model(cfg: Config, adapter: str | None, compare: bool, batch_size: int,
         from jaxrl.config import ConfigError
         raise ConfigError("no evaluation records: data.validation_fraction leaves none of "
                           f"data.tasks {list(cfg.data.tasks)}; raise it or set data.eval_file")
+    from jaxrl.eval.episodes import play_records
+
     names = (["base", "adapter"] if compare else ["adapter"]) if adapter else ["base"]
+    run = play_records if cfg.data.env else generate
     variants = {}
     for name in names:
-        advance = phase(f"generating {name}", len(records))
-        variants[name] = [{**r, "variant": name} for r in generate(
-            model, records, cfg, name == "adapter", batch_size, advance)]
+        advance = phase(f"{'playing' if cfg.data.env else 'generating'} {name}", len(records))
+        variants[name] = [{**r, "variant": name}
+                          for r in run(model, records, cfg, name == "adapter", batch_size,
+                                       advance)]
     doc = score_variants(cfg, variants, phase)
     doc.update(model=cfg.model.path, adapter=adapter, records=len(records),
                data={"tasks": list(cfg.data.tasks), "eval_file": cfg.data.eval_file or None,
                      "seed": cfg.data.seed},
                sampling={"temperature": 0.0, "max_new_tokens": cfg.sampling.max_new_tokens,
                          "stop": list(cfg.sampling.stop)})
+    if cfg.data.env:
+        doc["env"] = {"name": cfg.data.env, **dataclasses.asdict(cfg.env)}
     return doc, variants
 
 

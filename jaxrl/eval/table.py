@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-_HIDDEN = ("correct", "accuracy_ci95_low", "accuracy_ci95_high")
+_HIDDEN = ("correct", "calls", "valid_calls")  # and every interval bound (shown beside its metric)
 
 
 def _number(value, count: bool = False) -> str:
@@ -22,8 +22,8 @@ def _cell(metrics: Mapping, key: str) -> str:
     if key not in metrics:
         return ""
     text = _number(metrics[key], _is_count(key))
-    if key == "accuracy":
-        low, high = metrics["accuracy_ci95_low"], metrics["accuracy_ci95_high"]
+    if f"{key}_ci95_low" in metrics:
+        low, high = metrics[f"{key}_ci95_low"], metrics[f"{key}_ci95_high"]
         text += f" [{_number(low)}, {_number(high)}]"
     failed = metrics.get(f"{key}/failed") or 0
     return text + (f" ({failed:.0f} failed)" if failed else "")
@@ -33,7 +33,7 @@ def _keys(blocks: list[Mapping]) -> list[str]:
     keys: list[str] = []
     for metrics in blocks:
         keys += [k for k in metrics if k not in keys and k not in _HIDDEN
-                 and not k.endswith(("/judged", "/failed"))]
+                 and not k.endswith(("/judged", "/failed", "_ci95_low", "_ci95_high"))]
     return keys
 
 

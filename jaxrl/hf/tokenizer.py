@@ -45,14 +45,31 @@ def eos_token_ids(tokenizer, model_dir: str | Path | None = None) -> tuple[int, 
 
 
 def chat_prompt_text(tokenizer, messages: Sequence[Mapping[str, str]],
-                     add_generation_prompt: bool = True) -> str:
+                     add_generation_prompt: bool = True,
+                     tools: Sequence[Mapping[str, Any]] | None = None) -> str:
     """`messages` ([{"role", "content"}, ...]) rendered by the chat template, ending with the
-    assistant header when add_generation_prompt."""
+    assistant header when add_generation_prompt; tools: OpenAI function definitions the template
+    renders (jaxrl.hf.tool_calls.syntax_of says whether it can)."""
     if not tokenizer.chat_template:
         raise TokenizerError(f"tokenizer {tokenizer.name_or_path!r} has no chat template; pass a "
                              "chat model's directory or token ids")
-    return tokenizer.apply_chat_template(list(messages), tokenize=False,
+    return tokenizer.apply_chat_template(list(messages), tokenize=False, tools=tools,
                                          add_generation_prompt=add_generation_prompt)
+
+
+_REPLY = "\u2063reply\u2063"  # stands for an assistant reply; no template writes it
+
+
+def continuation_text(tokenizer, messages: Sequence[Mapping[str, str]]) -> str:
+    """The text the chat template writes after an assistant reply's content when `messages`
+    (tool results, a user message) follow it: the reply's end-of-turn markup, the messages and
+    the next assistant header. Read off a rendered stand-in conversation, so a template that
+    renders earlier turns differently (Qwen3 drops past reasoning) still gives what follows a
+    reply."""
+    conversation = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _REPLY},
+                    *messages]
+    text = chat_prompt_text(tokenizer, conversation)
+    return text[text.index(_REPLY) + len(_REPLY):]
 
 
 def text_ids(tokenizer, text: str) -> list[int]:

@@ -19,6 +19,7 @@ REWARDS = {
     "cedar_directionality": "jaxrl.rewards.cedar:DirectionalityJudge",
     "cedar": "jaxrl.rewards.cedar:Cedar",
     "spring": "jaxrl.rewards.spring:Spring",
+    "episode": "jaxrl.rewards.episode:EpisodeReward",
 }
 
 VERIFIERS = {

@@ -4,6 +4,10 @@ With `rewards.max_staleness: 1` the rollout of step t+1 runs while step t is sco
 update of step t follows it; pi_old is then the sampler's log-probs either way, which is exact
 because the update of step t uses only the tokens and log-probs of its own rollout.
 
+With data.env each row is an episode of that environment (jaxrl/rl/episodes.py): replies and
+the environment's answers form one trajectory, scored whole on the host workers, trained on
+the policy's tokens only (the environment's are context), with episode/* metrics.
+
 Between scoring and the update: the overlong penalty (rewards.overlong_buffer,
 jaxrl/rewards/overlong.py) is added to the rewards; with grpo.dynamic_sampling further rounds
 are sampled and scored until the step holds groups with reward spread (jaxrl/rl/dynamic.py);
@@ -37,6 +41,7 @@ from jaxrl.rewards.overlong import with_overlong_penalty
 from jaxrl.rewards.pool import ScoredBatch
 from jaxrl.rl.advantages import compute_advantages
 from jaxrl.rl.dynamic import fill_groups
+from jaxrl.rl.episodes import episode_metrics, play
 from jaxrl.rl.rollout import Rollout, pack_rollout
 from jaxrl.rl.session import Session
 from jaxrl.rl.train_step import Batch
@@ -55,7 +60,7 @@ def make_batch(rollout: Rollout, advantages: np.ndarray, keep: np.ndarray,
                to_device=functools.partial(jax.tree_util.tree_map, jnp.asarray)) -> Batch:
     """The update's batch; to_device places host rows (`Session.to_device` on a mesh)."""
     tokens, mask, positions = _rows(rollout.out)
-    completion_mask = rollout.out.mask & (keep[:, None] > 0)
+    completion_mask = rollout.out.loss_mask & (keep[:, None] > 0)  # multi-turn: policy tokens
     rows = to_device((tokens, positions, mask, completion_mask, rollout.out.logprobs,
                       advantages))
     return Batch(*rows, ref_logp=rollout.ref_logp)
@@ -86,13 +91,18 @@ def _sample_rollout(s: Session, step: int, key: jax.Array, phases: _Phases) -> R
     """The rollout of the next data item's prompts (this process's, all G rows of each) with
     the adapter as it is at that moment."""
     g = s.cfg.grpo.num_generations
-    records = next(s.data)[s.prompts]
-    prompts = [s.render(r) for r in records for _ in range(g)]
+    records = [r for r in next(s.data)[s.prompts] for _ in range(g)]
+    if s.cfg.data.env:
+        with phases.timing("time/rollout"):  # episodes end on the host: it has finished
+            prompts, out, records = play(s.params, s.spec, records, key, s.cfg, s.chat,
+                                         lora=s.state.lora, shardings=s.rules)
+        return Rollout(step, records, prompts, out)
+    prompts = [s.render(r) for r in records]
     with phases.timing("time/rollout"):  # `sample` returns host arrays: it has finished
         out = sample(s.params, s.spec, [s.prompt_ids(p) for p in prompts], key, s.cfg.sampling,
                      lora=s.state.lora, eos_ids=s.eos_ids, detokenize=s.detokenize,
                      shardings=s.rules)
-    return Rollout(step, [r for r in records for _ in range(g)], prompts, out)
+    return Rollout(step, records, prompts, out)
 
 
 def _rollouts(s: Session, phases: _Phases) -> Iterator[Rollout]:
@@ -156,12 +166,14 @@ def _step_batch(s: Session, rollout: Rollout, scored: ScoredBatch, phases: _Phas
 
 
 def _rollout_metrics(rollout: Rollout) -> dict[str, float]:
-    lengths = rollout.out.mask.sum(axis=1)
+    """Completion lengths (the policy's tokens; with data.env also the episodes' metrics)."""
+    lengths = rollout.out.loss_mask.sum(axis=1)
     truncated = np.mean([r == "length" for r in rollout.out.finish_reasons])
+    episodes = episode_metrics(rollout.records) if "episode" in rollout.records[0] else {}
     return {"completion/length_mean": float(lengths.mean()),
             "completion/length_max": float(lengths.max()),
             "completion/truncated_frac": float(truncated),
-            "tokens/completion": float(lengths.sum())}
+            "tokens/completion": float(lengths.sum()), **episodes}
 
 
 def _sample_rows(rollout: Rollout, scored) -> list[dict[str, Any]]:
@@ -171,7 +183,9 @@ def _sample_rows(rollout: Rollout, scored) -> list[dict[str, Any]]:
                       for name, rs in scored.results.items()}
         rows.append({"id": rollout.records[i].get("id"), "prompt": prompt, "completion": text,
                      "reward": scored.rewards[i], "components": components,
-                     "finish_reason": rollout.out.finish_reasons[i]})
+                     "finish_reason": rollout.out.finish_reasons[i],
+                     **({"episode": rollout.records[i]["episode"]}
+                        if "episode" in rollout.records[i] else {})})
     return rows
 
 

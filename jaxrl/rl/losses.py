@@ -25,8 +25,9 @@ Aggregation (`grpo.loss_agg`), as weights w [B, T] with loss = sum(w * per_token
   seq-mean-token-mean      mean over each row's valid tokens, then mean over rows (GRPO)
   token-mean               sum over all valid tokens / number of valid tokens (DAPO)
   seq-mean-token-sum-norm  sum over all valid tokens / (rows * max_new_tokens) (Dr. GRPO): the
-                           constant is the configured `sampling.max_new_tokens`, not the
-                           longest completion in the batch, so it does not depend on lengths.
+                           constant is the configured `sampling.max_new_tokens` (an episode's
+                           `env.max_tokens` with data.env), not the longest completion in the
+                           batch, so it does not depend on lengths.
 "Rows" counts rows with at least one valid token (TRL counts all B rows; the two agree unless
 rows are filtered out, since a real completion holds at least its EOS).
 

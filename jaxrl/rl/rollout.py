@@ -13,6 +13,7 @@ from jaxrl import distributed
 from jaxrl.sampling.sampler import SampleOutput
 
 _OUT_ARRAYS = ("prompt_tokens", "prompt_mask", "tokens", "mask", "logprobs")
+_OPTIONAL = ("policy_mask",)  # multi-turn rollouts only
 
 
 @dataclasses.dataclass
@@ -20,7 +21,8 @@ class Rollout:
     """One step's prompts and completions, host side, plus the reference pass's log-probs."""
 
     step: int
-    records: list[dict]  # P records, each repeated G times in the rows below
+    records: list[dict]  # P records, each repeated G times in the rows below (multi-turn:
+    # each row's record with its "episode", jaxrl/rl/episodes.py)
     prompts: list[str]  # [B] rendered chat prompts
     out: SampleOutput
     ref_logp: jax.Array | None = None
@@ -29,7 +31,8 @@ class Rollout:
 def pack_rollout(rollout: Rollout) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """(host arrays, JSON info) of a rollout, as a checkpoint holds it."""
     out = rollout.out
-    arrays = {name: np.asarray(getattr(out, name)) for name in _OUT_ARRAYS}
+    arrays = {name: np.asarray(getattr(out, name)) for name in _OUT_ARRAYS + _OPTIONAL
+              if getattr(out, name) is not None}
     if rollout.ref_logp is not None:  # this process's rows of it
         arrays["ref_logp"] = distributed.rows_to_local(rollout.ref_logp)
     info = {"step": rollout.step, "records": rollout.records, "prompts": rollout.prompts,
@@ -42,6 +45,7 @@ def unpack_rollout(arrays: dict[str, np.ndarray], info: dict[str, Any]) -> Rollo
     """The rollout `pack_rollout` packed; its arrays stay on the host (the programs place them
     as their shardings say)."""
     out = SampleOutput(**{name: arrays[name] for name in _OUT_ARRAYS},
+                       **{name: arrays[name] for name in _OPTIONAL if name in arrays},
                        finish_reasons=tuple(info["finish_reasons"]),
                        texts=None if info["texts"] is None else tuple(info["texts"]))
     return Rollout(info["step"], info["records"], info["prompts"], out, arrays.get("ref_logp"))
@@ -62,7 +66,8 @@ def take_groups(parts: list[Rollout], picks: list[tuple[int, int]], group: int) 
 
     texts = None if any(part.out.texts is None for part in parts) else tuple(
         parts[p].out.texts[r] for p, r in rows)
-    out = SampleOutput(**{name: column(name) for name in _OUT_ARRAYS},
+    present = [name for name in _OPTIONAL if getattr(parts[0].out, name) is not None]
+    out = SampleOutput(**{name: column(name) for name in _OUT_ARRAYS + tuple(present)},
                        finish_reasons=tuple(parts[p].out.finish_reasons[r] for p, r in rows),
                        texts=texts)
     return Rollout(parts[0].step, [parts[p].records[r] for p, r in rows],

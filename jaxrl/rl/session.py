@@ -22,6 +22,7 @@ from jaxrl.lora.start import start_lora
 from jaxrl.model.families import load_spec
 from jaxrl.quant.qparams import dequantize_strategy
 from jaxrl.rewards.pool import RewardPool, pipelined
+from jaxrl.rl.episodes import Chat
 from jaxrl.rl.rollout import unpack_rollout
 from jaxrl.rl.train_step import (StepOptions, compile_reference, compile_train_step,
                                  init_train_state, make_optimizer)
@@ -31,6 +32,12 @@ from jaxrl.sharding import MeshRules, place, reference_shardings, step_shardings
 def learner_temperature(cfg: Config) -> float:
     """The temperature of the distribution the sampler's log-probs come from (1 for greedy)."""
     return cfg.sampling.temperature if cfg.sampling.temperature > 0 else 1.0
+
+
+def completion_width(cfg: Config) -> int:
+    """Completion columns the learner scores: an episode's token budget (env.max_tokens) with
+    data.env, else sampling.max_new_tokens."""
+    return cfg.env.max_tokens if cfg.data.env else cfg.sampling.max_new_tokens
 
 
 def step_options(cfg: Config, rules: MeshRules | None = None) -> StepOptions:
@@ -43,7 +50,7 @@ def step_options(cfg: Config, rules: MeshRules | None = None) -> StepOptions:
                           f"{rows} rows of a step (data.prompts_per_step * "
                           "grpo.num_generations)")
     return StepOptions(grpo=cfg.grpo, temperature=learner_temperature(cfg),
-                       max_new_tokens=cfg.sampling.max_new_tokens, micro_batches=rows // micro,
+                       max_new_tokens=completion_width(cfg), micro_batches=rows // micro,
                        remat=cfg.optim.remat, seed=cfg.run.seed, mesh=rules)
 
 
@@ -115,6 +122,7 @@ class Session:
         model_dir, self.spec, self.tokenizer, self.params = load_model(cfg, self.rules, log)
         self.eos_ids = eos_token_ids(self.tokenizer, model_dir)
         self.detokenize = detokenizer(self.tokenizer)
+        self.chat = Chat(self.tokenizer, self.eos_ids)  # renders episodes (data.env)
         self.prompts, self.row_range = _my_prompts(cfg, self.rules)
         self.key = jax.random.PRNGKey(cfg.run.seed)
         self.state, self.schedule, self.train_step, shardings = make_trainer(
@@ -145,9 +153,10 @@ class Session:
     def reference_logprobs(self, tokens, mask, positions, width: int) -> jax.Array:
         """Log-probs [B, width] of the completion tokens under the frozen base (LoRA off),
         micro-batched as the update is."""
-        if width != self.cfg.sampling.max_new_tokens:
-            raise ValueError(f"the reference pass scores sampling.max_new_tokens = "
-                             f"{self.cfg.sampling.max_new_tokens} completion columns; got {width}")
+        if width != completion_width(self.cfg):
+            raise ValueError(f"the reference pass scores {completion_width(self.cfg)} completion "
+                             "columns (sampling.max_new_tokens, or env.max_tokens with "
+                             f"data.env); got {width}")
         tokens, mask, positions = self.to_device((tokens, mask, positions))
         return self._reference_fn(self.params, tokens, positions, mask)
 

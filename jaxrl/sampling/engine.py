@@ -20,14 +20,20 @@ Programs (jitted; static: the model spec, EOS ids, mesh and the shapes):
             slot S and are dropped.
   generate  advance every live slot by up to N tokens (stopping early once no slot is live)
             and return the new tokens, their log-probs and which were emitted [S, N].
+  extend    continue conversations held in their slots (jaxrl/sampling/requests.py): rewind
+            each such slot's cache to its kept tokens, append up to A tokens [S, A] there in one
+            pass over every slot (those not continued are left as they were), and draw each
+            continued slot's first new token under its new key, settings and budget.
 Settings, keys, budgets and prompt lengths are data, so changing them never compiles a
-program; S, C and N are fixed per engine, and U, M and P are rounded up to powers of two, so
-the programs number at most one `generate` plus one `admit` per (U, M, P) bucket.
+program; S, C and N are fixed per engine, and U, M, P and A are rounded up to powers of two,
+so the programs number at most one `generate`, one `admit` per (U, M, P) bucket and one
+`extend` per A bucket.
 
-Host loop (`Engine.step`): fill free slots from the queue (FIFO), run one `generate` chunk,
-hand each request its new tokens (`Request.on_token`, which serving streams), and free the
-slots whose request finished (an EOS id, or its max_new_tokens). `Engine.run` steps until the
-queue is empty and no slot is live.
+Host loop (`Engine.step`): fill free slots from the queue (FIFO), append the queued
+continuations to their held slots, run one `generate` chunk, hand each request its new tokens
+(`Request.on_token`, which serving streams), and free the slots whose request finished (an EOS
+id, or its max_new_tokens) unless it holds its slot for a continuation. `Engine.run` steps
+until the queues are empty and no slot is live.
 
 Both programs run the model's `lax.scan` over the stacked layers (`hidden_states`), the loop
 training runs, with NF4 kernels dequantized one layer at a time inside it; the scan reads each
@@ -43,10 +49,9 @@ slots and queue the same requests); the bucket sizes and whether to admit are ag
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -59,6 +64,7 @@ from jaxrl.model.families import ModelSpec
 from jaxrl.model.kv_cache import KVCache, init_cache
 from jaxrl.model.transformer import Params, hidden_states, lm_logits
 from jaxrl.sampling.buckets import bucket
+from jaxrl.sampling.requests import EngineStats, Request
 from jaxrl.sampling.sampling_fns import (MAX_TOP_LOGPROBS, Decoding, History, RowSettings,
                                          next_token)
 from jaxrl.sharding import (MeshRules, cache_shardings, constrain, head_logits, head_rules,
@@ -237,61 +243,52 @@ def generate(state: Slots, params: Params, lora: Lora | None, *, spec: ModelSpec
     return state, out
 
 
-@dataclasses.dataclass
-class Request:
-    """One completion to decode: prompt token ids, settings, a budget and a key (the same key,
-    prompt and settings always give the same tokens). on_token(token, logprob) is called with
-    each new token as it is decoded (after `top_logprobs` got that token's alternatives, when
-    decoding.top_logprobs asks for them); on_done(request) once it has finished."""
-
-    prompt: Sequence[int]
-    decoding: Decoding = Decoding()
-    max_new_tokens: int = 16
-    key: jax.Array | np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(2, np.uint32))
-    on_token: Callable[[int, float], None] | None = None
-    on_done: Callable[["Request"], None] | None = None
-    tokens: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[float] = dataclasses.field(default_factory=list)
-    # per token: the decoding.top_logprobs most likely (token id, log-prob), best first
-    top_logprobs: list[tuple[tuple[int, float], ...]] = dataclasses.field(default_factory=list)
-    finish_reason: str | None = None  # "stop" (an EOS id) or "length"
-
-    def _emit(self, token: int, logprob: float, top_ids: np.ndarray,
-              top_logprobs: np.ndarray) -> None:
-        self.tokens.append(token)
-        self.logprobs.append(logprob)
-        k = self.decoding.top_logprobs
-        if k:
-            self.top_logprobs.append(tuple(zip(top_ids[:k].tolist(), top_logprobs[:k].tolist())))
-        if self.on_token is not None:
-            self.on_token(token, logprob)
-
-    def _finish(self, stopped: bool) -> None:
-        self.finish_reason = "stop" if stopped else "length"
-        if self.on_done is not None:
-            self.on_done(self)
+def _appended_history(history: History, tokens: jax.Array, count: jax.Array,
+                      vocab: int) -> History:
+    """history with each row's first count[s] tokens [S, A] added to its prompt tokens (the
+    penalties treat appended tokens as prompt)."""
+    s, a = tokens.shape
+    real = jnp.arange(a)[None, :] < count[:, None]
+    rows = jnp.broadcast_to(jnp.arange(s)[:, None], (s, a))
+    return history.replace(prompt=history.prompt.at[rows, jnp.where(real, tokens, vocab)].set(
+        True, mode="drop"))
 
 
-def row_keys(key: jax.Array, rows: Sequence[int]) -> np.ndarray:
-    """[R, 2] the key of each row: fold_in(key, row), for requests numbered by row."""
-    return np.asarray(jax.vmap(jax.random.fold_in, (None, 0))(key, jnp.asarray(rows, jnp.uint32)))
-
-
-@dataclasses.dataclass
-class EngineStats:
-    """Counters of this process's work: prompts prefilled, requests admitted, `generate` calls,
-    decode steps run and tokens they emitted (a first token comes from the prefill and is not
-    counted here)."""
-
-    prefills: int = 0
-    admitted: int = 0
-    chunks: int = 0
-    steps: int = 0
-    tokens: int = 0
-
-    def utilization(self, slots: int) -> float:
-        """Emitted tokens per slot-step of the decode steps run (1 = every slot always live)."""
-        return self.tokens / (self.steps * slots) if self.steps else 0.0
+@functools.partial(jax.jit, donate_argnums=0, static_argnames=("spec", "eos_ids", "shardings"))
+def extend(state: Slots, params: Params, lora: Lora | None, tokens: jax.Array, start: jax.Array,
+           count: jax.Array, keys: jax.Array, settings: RowSettings, budget: jax.Array, *,
+           spec: ModelSpec, eos_ids: tuple[int, ...], shardings: MeshRules | None = None):
+    """Continue the slots with count [S] > 0 (module docstring): their caches keep columns
+    [0, start) and gain the first count tokens of tokens [S, A] (right-padded) behind them;
+    then each draws a first token with keys [S, 2], settings [S] and budget [S]. Slots with
+    count 0 keep their state (the pass writes their cache only past their filled columns,
+    which nothing reads). Returns the new state and, per slot [S], the first token with its
+    log-probs (`Picked`) and whether the slot is already done."""
+    params, lora = _place(params, lora, spec, shardings)
+    s, a = tokens.shape
+    on = count > 0
+    index = jnp.where(on, start, state.cache.index)
+    positions = index[:, None] + jnp.arange(a, dtype=jnp.int32)  # [S, A]
+    h, cache = hidden_states(params, tokens, positions, spec,
+                             attn_mask=jnp.ones((s, state.cache.max_len), bool),
+                             cache=state.cache.replace(index=index), lora=lora,
+                             shardings=shardings)
+    last = jnp.take_along_axis(h, jnp.maximum(count - 1, 0)[:, None, None], axis=1)[:, 0]
+    logits = head_logits(shardings, lm_logits(params, last, spec))  # [S, V]
+    seen = _appended_history(state.history, tokens, count, spec.vocab_size)
+    picked = next_token(_fold(keys, 0), logits, settings, seen,
+                        vocab_top_k(shardings, *logits.shape))
+    token = picked.token
+    done = jnp.isin(token, jnp.asarray(eos_ids, jnp.int32)) | (budget <= 1)
+    pick = lambda new, old: jnp.where(on.reshape(-1, *([1] * (old.ndim - 1))), new, old)
+    cache = cache.replace(index=jnp.where(on, start + count, state.cache.index))
+    state = state.replace(
+        cache=cache, last=pick(token, state.last), live=pick(~done, state.live),
+        count=pick(jnp.ones_like(count), state.count), budget=pick(budget, state.budget),
+        keys=pick(keys, state.keys),
+        settings=jax.tree_util.tree_map(pick, settings, state.settings),
+        history=jax.tree_util.tree_map(pick, seen.record(token, on), state.history))
+    return state, picked, done
 
 
 class Engine:
@@ -314,14 +311,19 @@ class Engine:
         self.state = init_slots(params, spec=spec, slots=slots, capacity=capacity,
                                 shardings=shardings)
         start, stop = distributed.local_rows(shardings, slots)
-        self._first = start  # this process's slots are [start, stop)
+        self._first, self._local_slots = start, stop - start  # this process's: [start, stop)
         self._free = deque(range(start, stop))
         self._queue: deque[Request] = deque()
+        self._continuations: deque[Request] = deque()
         self._active: dict[int, Request] = {}
+        self._held: dict[int, Request] = {}  # slot -> the finished request holding it
         self.stats = EngineStats()
 
     def submit(self, request: Request) -> Request:
-        """Queue a request; it is decoded by later `step`s (its callbacks fire then)."""
+        """Queue a request; it is decoded by later `step`s (its callbacks fire then). A request
+        that follows a held one is appended to that one's slot (jaxrl/sampling/requests.py)."""
+        if request.follows is not None:
+            return self._submit_continuation(request)
         n = len(request.prompt)
         if n < 1 or request.max_new_tokens < 1 or n + request.max_new_tokens > self.capacity:
             raise ValueError(f"a request needs a prompt of >= 1 token and max_new_tokens >= 1 "
@@ -330,14 +332,40 @@ class Engine:
         self._queue.append(request)
         return request
 
+    def _submit_continuation(self, request: Request) -> Request:
+        held = request.follows
+        if self._held.get(held.slot) is not held:
+            raise ValueError("a continuation must follow a finished request that holds its slot "
+                             "(Request.hold = True) and has no other continuation or release")
+        if not 1 <= request.kept() <= len(held.tokens):
+            raise ValueError(f"a continuation keeps between 1 and the {len(held.tokens)} tokens "
+                             f"its request generated; got keep={request.keep}")
+        end = request.start() + len(request.appended()) + request.max_new_tokens
+        if request.max_new_tokens < 1 or end > self.capacity:
+            raise ValueError(f"a continuation needs max_new_tokens >= 1 within the engine's "
+                             f"{self.capacity} cache columns; its conversation would reach "
+                             f"column {end} (max_new_tokens {request.max_new_tokens})")
+        self._continuations.append(request)
+        return request
+
+    def release(self, request: Request) -> None:
+        """Give back the slot a finished request holds (its conversation is over)."""
+        if self._held.get(request.slot) is not request:
+            raise ValueError("release takes a finished request that holds its slot "
+                             "(Request.hold = True) and has not been continued or released")
+        del self._held[request.slot]
+        self._free.append(request.slot)
+
     def busy(self) -> bool:
         """Requests wait or decode in this process."""
-        return bool(self._queue or self._active)
+        return bool(self._queue or self._continuations or self._active)
 
     def step(self) -> bool:
-        """Fill free slots, decode one chunk, hand out tokens; whether any process has work
+        """Fill free slots, append continuations, decode one chunk, hand out tokens; whether
+        any process has work
         left (every process calls it the same number of times)."""
         self._admit()
+        self._extend()
         if distributed.host_max(len(self._active)):
             self.state, chunk = generate(self.state, self.params, self.lora, spec=self.spec,
                                          eos_ids=self.eos_ids, steps=self.chunk,
@@ -403,12 +431,55 @@ class Engine:
         self.stats.prefills += len(distinct)
         self.stats.admitted += n
         for i, (request, slot) in enumerate(zip(take, dst)):
-            request._emit(int(p.token[i]), float(p.logprob[i]), p.top_ids[i], p.top_logprobs[i])
-            if done[i]:
-                self._free.append(slot)
-                request._finish(int(p.token[i]) in self.eos_ids)
-            else:
-                self._active[slot] = request
+            request.slot, request.column = slot, len(request.prompt)
+            self._start(request, i, p, done)
+
+    def _start(self, request: Request, i: int, picked, done) -> None:
+        """Hand a request its first token (row i of picked and done) and mark it live or
+        finished."""
+        request._emit(int(picked.token[i]), float(picked.logprob[i]), picked.top_ids[i],
+                      picked.top_logprobs[i])
+        if done[i]:
+            self._finish(request)
+        else:
+            self._active[request.slot] = request
+
+    def _finish(self, request: Request) -> None:
+        """Free the request's slot, or keep it held, and tell the request it finished."""
+        if request.hold:
+            self._held[request.slot] = request
+        else:
+            self._free.append(request.slot)
+        request._finish(request.tokens[-1] in self.eos_ids)
+
+    def _extend(self) -> None:
+        """Append every queued continuation to its slot in one `extend` pass."""
+        take = list(self._continuations)
+        self._continuations.clear()
+        if distributed.host_max(len(take)) == 0:
+            return
+        width = bucket(distributed.host_max(max((len(r.appended()) for r in take), default=1)))
+        n = self._local_slots
+        tokens, start = np.zeros((n, width), np.int32), np.zeros((n,), np.int32)
+        count, budget = np.zeros((n,), np.int32), np.ones((n,), np.int32)
+        keys, decodings = np.zeros((n, 2), np.uint32), [Decoding()] * n
+        for request in take:
+            row, ids = request.follows.slot - self._first, request.appended()
+            tokens[row, :len(ids)], start[row], count[row] = ids, request.start(), len(ids)
+            keys[row], decodings[row] = np.asarray(request.key, np.uint32), request.decoding
+            budget[row] = request.max_new_tokens
+            request.slot, request.column = request.follows.slot, request.start() + len(ids)
+            del self._held[request.slot]
+        data = (tokens, start, count, keys, RowSettings.of(decodings), budget)
+        if self.shardings is not None:
+            data = distributed.rows_to_global(self.shardings, data)
+        self.state, picked, done = extend(self.state, self.params, self.lora, *data,
+                                          spec=self.spec, eos_ids=self.eos_ids,
+                                          shardings=self.shardings)
+        picked, done = self._local((picked, done))
+        self.stats.continued += len(take)
+        for request in take:
+            self._start(request, request.slot - self._first, picked, done)
 
     def _dispatch(self, chunk: Chunk, live) -> None:
         for slot, request in list(self._active.items()):
@@ -418,5 +489,4 @@ class Engine:
                               chunk.top_ids[row, j], chunk.top_logprobs[row, j])
             if not live[row]:
                 del self._active[slot]
-                self._free.append(slot)
-                request._finish(request.tokens[-1] in self.eos_ids)
+                self._finish(request)

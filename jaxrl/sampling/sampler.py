@@ -30,7 +30,8 @@ from jaxrl.lora.lora import Lora
 from jaxrl.model.families import ModelSpec
 from jaxrl.model.transformer import Params
 from jaxrl.sampling.buckets import bucket, left_pad
-from jaxrl.sampling.engine import Engine, Request, row_keys
+from jaxrl.sampling.engine import Engine
+from jaxrl.sampling.requests import Request, row_keys
 from jaxrl.sampling.sampling_fns import Decoding
 from jaxrl.sampling.stop import cut_at_stop
 from jaxrl.sharding import MeshRules
@@ -48,6 +49,14 @@ class SampleOutput:
     logprobs: np.ndarray  # [B, max_new_tokens] float32, 0 where masked
     finish_reasons: tuple[str, ...]  # "stop" (EOS id or stop string) or "length"
     texts: tuple[str, ...] | None  # the masked completions as text, with a detokenizer
+    # [B, max_new_tokens] bool: the tokens the policy sampled, where a multi-turn rollout
+    # (jaxrl/rl/episodes.py) also holds environment tokens; None: every token in `mask`
+    policy_mask: np.ndarray | None = None
+
+    @property
+    def loss_mask(self) -> np.ndarray:
+        """The tokens the loss and the KL cover: the policy's (`mask` unless multi-turn)."""
+        return self.mask if self.policy_mask is None else self.policy_mask
 
 
 def _apply_stop(out: SampleOutput, stop: Sequence[str],

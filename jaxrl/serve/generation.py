@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from jaxrl.serve.protocol import Tools
 from jaxrl.serve.responses import Piece, TokenLogprob
 from jaxrl.serve.textstream import TextStream
-from jaxrl.serve.tools import ToolSyntax
+from jaxrl.hf.tool_calls import ToolSyntax
 
 
 class _Sink:

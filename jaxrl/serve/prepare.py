@@ -20,9 +20,9 @@ import numpy as np
 from jinja2 import TemplateError
 
 from jaxrl.hf.tokenizer import TokenizerError, text_ids
-from jaxrl.sampling.engine import row_keys
+from jaxrl.sampling.requests import row_keys
 from jaxrl.serve import protocol as p
-from jaxrl.serve.tools import ToolSyntax, syntax_of
+from jaxrl.hf.tool_calls import ToolSyntax, syntax_of
 
 
 @dataclasses.dataclass(frozen=True)

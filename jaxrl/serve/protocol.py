@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from jaxrl.sampling.sampling_fns import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, Decoding
-from jaxrl.serve.tools import template_arguments
+from jaxrl.hf.tool_calls import template_arguments
 
 MAX_STOP = 4  # stop sequences per request, as in the OpenAI API
 MAX_N = 128  # completions per prompt, as in the OpenAI API

@@ -6,7 +6,7 @@ import time
 import uuid
 from collections.abc import Sequence
 
-from jaxrl.serve.tools import ToolCall
+from jaxrl.hf.tool_calls import ToolCall
 
 
 @dataclasses.dataclass(frozen=True)

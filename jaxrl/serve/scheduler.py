@@ -28,7 +28,8 @@ from typing import Protocol
 import numpy as np
 
 from jaxrl.lora.lora import Lora
-from jaxrl.sampling.engine import Engine, Request
+from jaxrl.sampling.engine import Engine
+from jaxrl.sampling.requests import Request
 from jaxrl.sampling.sampling_fns import Decoding
 
 log = logging.getLogger("jaxrl.serve")

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from jaxrl.serve.tools import ToolSyntax, prefix_overlap
+from jaxrl.hf.tool_calls import ToolSyntax, prefix_overlap
 
 
 class TextStream:

@@ -90,13 +90,14 @@ def test_unknown_and_planned_tasks_are_clear_errors(monkeypatch):
     assert [r["task"] for r in generate("knk", 2) + generate("zebra", 1)] == ["knk", "knk",
                                                                             "zebra"]
     with pytest.raises(GeneratorError, match="unknown generated task 'arith'; available: "
-                                              "abduction_rules, arithmetic, crypto, knk, "
-                                              "list_fn, zebra"):
+                                              "abduction_rules, arithmetic, calculator, crypto, "
+                                              "diagnosis, knk, list_fn, zebra"):
         generate("arith", 3)
     monkeypatch.setitem(PLANNED, "sudoku", "Sudoku grids, coming later")
     with pytest.raises(GeneratorError, match="'sudoku' is not available yet: Sudoku grids, "
                                               "coming later; available generated tasks: "
-                                              "abduction_rules, arithmetic, crypto, knk"):
+                                              "abduction_rules, arithmetic, calculator, "
+                                              "crypto, diagnosis, knk"):
         generate("sudoku", 3)
     with pytest.raises(GeneratorError, match="difficulty must be one of"):
         generate("arithmetic", 3, difficulty=4)

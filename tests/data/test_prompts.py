@@ -13,7 +13,8 @@ from jaxrl.data.prompts import (
 )
 from jaxrl.data.sources import SOURCES
 
-READY_MADE = {"knk", "zebra", "ar_lsat", "zebralogic"}  # prompts in Problem.fields["messages"]
+# prompts in Problem.fields["messages"]
+READY_MADE = {"knk", "zebra", "ar_lsat", "zebralogic", "calculator", "diagnosis"}
 
 
 def test_every_task_has_a_template_or_ready_made_messages():

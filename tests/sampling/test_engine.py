@@ -11,7 +11,7 @@ from jaxrl.hf.load import load_params
 from jaxrl.model.transformer import forward
 from jaxrl.sampling import Decoding, Engine, Request
 from jaxrl.sampling import engine as engine_programs
-from jaxrl.sampling.engine import row_keys
+from jaxrl.sampling.requests import row_keys
 from tests.tiny_models import hf_greedy, make_model
 
 PROMPTS = [[5, 9, 31, 7, 100, 3, 44], [17, 2, 88], list(range(10, 40)), [64], [3, 1, 4, 1, 5]]

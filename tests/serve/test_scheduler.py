@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from jaxrl.sampling.engine import EngineStats
+from jaxrl.sampling.requests import EngineStats
 from jaxrl.sampling.sampling_fns import Decoding
 from jaxrl.serve.scheduler import Closed, Job, Overloaded, Scheduler
 

@@ -13,7 +13,7 @@ import pytest
 from jaxrl.cli import main
 from jaxrl.config import SamplingConfig
 from jaxrl.sampling import Decoding, Engine, Request
-from jaxrl.sampling.engine import row_keys
+from jaxrl.sampling.requests import row_keys
 from jaxrl.serve import start_server
 from tests.serve.helpers import HELLO, SERVE, client, post
 

@@ -5,7 +5,7 @@ import pytest
 
 from jaxrl.hf.tokenizer import load_tokenizer
 from jaxrl.serve.textstream import TextStream
-from jaxrl.serve.tools import ToolSyntax
+from jaxrl.hf.tool_calls import ToolSyntax
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from jaxrl.serve.tools import ToolSyntax, syntax_of, template_arguments
+from jaxrl.hf.tool_calls import ToolSyntax, syntax_of, template_arguments
 
 QWEN, LLAMA = ToolSyntax("qwen"), ToolSyntax("llama3")
 

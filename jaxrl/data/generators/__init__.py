@@ -3,7 +3,9 @@ built-in ones; `generate(name, n, seed)` makes records of any registered task.""
 from jaxrl.data.generators import (  # noqa: F401
     abduction_rules,
     arithmetic,
+    calculator,
     crypto,
+    diagnosis,
     knk,
     list_fn,
     zebra,

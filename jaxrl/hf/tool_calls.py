@@ -1,4 +1,5 @@
-"""Tool calls in the markup of the model families jaxrl loads.
+"""Tool calls in the markup of the model families jaxrl loads: what `jaxrl serve` returns as
+OpenAI `tool_calls` and what the environments of multi-turn training (jaxrl/envs/) execute.
 
 The chat template renders the request's `tools` (transformers' `apply_chat_template(tools=...)`)
 and the model answers in its family's markup, which `ToolSyntax.parse` turns back into OpenAI

@@ -1,0 +1,98 @@
+"""The host side of a decode request (`Request`), the engine's work counters (`EngineStats`) and
+per-row keys (`row_keys`); jaxrl/sampling/engine.py decodes the requests.
+
+A request that `hold`s its slot keeps it, with its conversation in the slot's KV cache, after it
+finishes; a later request that `follows` it continues that conversation in the same slot: it
+keeps the first `keep` tokens the held request generated (dropping the rest, e.g. what was
+decoded past a stop string), appends its own `prompt` (an environment's reply, a tool result)
+behind them and decodes on, without prefilling the conversation again. `Engine.release` gives a
+held slot back.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl.sampling.sampling_fns import Decoding
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One completion to decode: prompt token ids, settings, a budget and a key (the same key,
+    prompt and settings always give the same tokens). on_token(token, logprob) is called with
+    each new token as it is decoded (after `top_logprobs` got that token's alternatives, when
+    decoding.top_logprobs asks for them); on_done(request) once it has finished. hold, follows
+    and keep: multi-turn continuation in the same slot (module docstring)."""
+
+    prompt: Sequence[int]
+    decoding: Decoding = Decoding()
+    max_new_tokens: int = 16
+    key: jax.Array | np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(2, np.uint32))
+    on_token: Callable[[int, float], None] | None = None
+    on_done: Callable[["Request"], None] | None = None
+    hold: bool = False  # keep the slot and its cache after finishing, for a follower
+    follows: "Request | None" = None  # a finished request that held its slot
+    keep: int | None = None  # tokens of `follows` kept before `prompt` (None: all of them)
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    # per token: the decoding.top_logprobs most likely (token id, log-prob), best first
+    top_logprobs: list[tuple[tuple[int, float], ...]] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None  # "stop" (an EOS id) or "length"
+    slot: int | None = None  # the slot it decodes in (and holds, once finished, when `hold`)
+    column: int = 0  # the cache column (= position) of its first generated token
+
+    def _emit(self, token: int, logprob: float, top_ids: np.ndarray,
+              top_logprobs: np.ndarray) -> None:
+        self.tokens.append(token)
+        self.logprobs.append(logprob)
+        k = self.decoding.top_logprobs
+        if k:
+            self.top_logprobs.append(tuple(zip(top_ids[:k].tolist(), top_logprobs[:k].tolist())))
+        if self.on_token is not None:
+            self.on_token(token, logprob)
+
+    def _finish(self, stopped: bool) -> None:
+        self.finish_reason = "stop" if stopped else "length"
+        if self.on_done is not None:
+            self.on_done(self)
+
+    def kept(self) -> int:
+        """How many tokens of `follows` this request keeps."""
+        return len(self.follows.tokens) if self.keep is None else self.keep
+
+    def start(self) -> int:
+        """The cache column its appended tokens start at: behind the kept tokens of `follows`
+        less one, since a slot's last generated token is fed (written to the cache) by the
+        next step, so it leads the appended tokens."""
+        return self.follows.column + self.kept() - 1
+
+    def appended(self) -> list[int]:
+        """The tokens a follower writes into the slot: the last kept token, then its prompt."""
+        return [self.follows.tokens[self.kept() - 1], *self.prompt]
+
+
+def row_keys(key: jax.Array, rows: Sequence[int]) -> np.ndarray:
+    """[R, 2] the key of each row: fold_in(key, row), for requests numbered by row."""
+    return np.asarray(jax.vmap(jax.random.fold_in, (None, 0))(key, jnp.asarray(rows, jnp.uint32)))
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """Counters of this process's work: prompts prefilled, requests admitted, continuations
+    appended to held slots, `generate` calls, decode steps run and tokens they emitted (a first
+    token comes from the prefill or the append and is not counted here)."""
+
+    prefills: int = 0
+    admitted: int = 0
+    continued: int = 0
+    chunks: int = 0
+    steps: int = 0
+    tokens: int = 0
+
+    def utilization(self, slots: int) -> float:
+        """Emitted tokens per slot-step of the decode steps run (1 = every slot always live)."""
+        return self.tokens / (self.steps * slots) if self.steps else 0.0
