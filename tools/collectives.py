@@ -1,8 +1,9 @@
 """The collectives of the compiled GRPO train step and decode step, with bytes per step.
 
 Compiles, from abstract shapes as `jaxrl plan` does, the train step (`jaxrl plan`'s
-`compile_grpo_step`, with the remat policy a run takes) and one decode step (the engine's `generate`, as tools/decode_traffic.py) on a
-mesh of the local devices, with NF4 kernels dequantized per layer (the accelerators' path),
+`compile_grpo_step`, with the remat policy a run takes) and one decode step (the engine's
+`generate`, as tools/decode_traffic.py) on a mesh of the local devices, with NF4 kernels
+dequantized per layer (the accelerators' path),
 and lists every collective of the optimized HLO (jaxrl/hlo.py) with the bytes of its result
 per call per device, loops counted by their trip counts, each array in the type it carries:
 XLA:CPU widens bfloat16 collectives to float32 around the transfer, and on CPU the programs are

@@ -102,6 +102,8 @@ def _policies(args) -> list[str]:
         if policy not in POLICIES:
             raise UsageError(f"--compare-remat takes policies of {', '.join(POLICIES)}; got "
                              f"{policy!r}")
+    if len(set(policies)) < len(policies):
+        raise UsageError(f"--compare-remat names each policy once; got {args.compare_remat}")
     return policies
 
 

@@ -137,6 +137,8 @@ def test_bench_step_times_phases_and_each_remat_policy(architecture, tmp_path, c
     (["step", "--steps", "0"], "--steps must be at least 1; got 0"),
     (["step", "--compare-remat", "none,some"],
      "--compare-remat takes policies of none, dots, full; got 'some'"),
+    (["step", "--compare-remat", "none,full,none"],
+     "--compare-remat names each policy once; got none,full,none"),
     (["sample", "model.path=/nowhere/Mystery-7B"], "qwen3-4b"),
 ])
 def test_bad_usage_exits_2_naming_it(args, message, capsys):
