@@ -1,4 +1,5 @@
-"""Test-wide JAX set-up: 8 fake CPU devices and a persistent compilation cache."""
+"""Test-wide JAX set-up: 8 fake CPU devices and a persistent compilation cache (the one `jaxrl`
+itself uses, shared with the `jaxrl` processes the tests start)."""
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -6,8 +7,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from jaxrl.hf.default_model import cache_root  # noqa: E402  (imports no jax)
 
-# the directory `jaxrl` itself uses (jaxrl.cli.enable_compilation_cache), for the `jaxrl`
-# processes the tests start
+# the directory `jaxrl` itself uses (jaxrl.cli.enable_compilation_cache), for the tests and the
+# `jaxrl` processes they start
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(cache_root() / "jax-compile"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
@@ -15,9 +16,12 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 import jax  # noqa: E402  (the environment above must be set before anything imports jax)
 import pytest  # noqa: E402
 
-# The test process itself keeps compiled programs in memory only (a fresh CI machine starts with
-# an empty cache anyway); the `jaxrl` processes the tests start use the persistent cache.
-jax.config.update("jax_enable_compilation_cache", False)
+
+def pytest_collection_modifyitems(items):
+    """Test files holding slow tests first (stable otherwise), so that parallel workers
+    (`-n 2 --dist loadfile`) end on short files instead of one waiting for the other."""
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow)
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -180,8 +180,9 @@ def prepare_default(force: bool = False, log: Callable[[str], None] = print) -> 
         return target
     # processes preparing it at once (the processes of one run, parallel test workers) take
     # turns: the first builds, the others find it built
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(target.parent / f".{target.name}.lock")):
+    locks = cache_root() / "locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(locks / f"{target.name}.lock")):
         problem = "rebuild forced" if force else manifest_problem(target)
         if problem is None:
             return target
