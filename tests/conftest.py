@@ -19,7 +19,7 @@ import pytest  # noqa: E402
 
 def pytest_collection_modifyitems(items):
     """Test files holding slow tests first (stable otherwise), so that parallel workers
-    (`-n 2 --dist loadfile`) end on short files instead of one waiting for the other."""
+    (`-n 2 --dist worksteal`) end on short tests instead of one waiting for the other."""
     slow = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in slow)
 
