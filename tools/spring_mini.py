@@ -6,7 +6,7 @@ adapters at temperature 0 on the same records, with Spring's table and plots.
 Stages (each skips what its output directory already holds, so a stopped run goes on where it
 stopped; `jaxrl train` and `jaxrl sft` also resume from their own checkpoints):
 
-    data    jaxrl data --gold-traces: the training split of knk:400 as SFT chat records
+    data    jaxrl data --gold-traces: the training split of knk-brief:400 as SFT chat records
     sft     jaxrl sft --config configs/spring_mini_sft.yaml
     grpo    jaxrl train --config configs/spring_mini.yaml, once per reward (same seed)
     eval    jaxrl eval (--compare base / sft), then each GRPO adapter
@@ -68,7 +68,7 @@ def run_stages(args, out: Path, seconds: dict) -> None:
     common = ["--config", "configs/spring_mini.yaml", f"lora.init_from={adapter}",
               *args.overrides]
     if "data" in stages and not traces.exists():
-        _jaxrl("data", "--task", "knk", "--n", "400", "--seed", "42", "--split", "train",
+        _jaxrl("data", "--task", "knk-brief", "--n", "400", "--seed", "42", "--split", "train",
                "--validation-fraction", "0.25", "--gold-traces", "--out", str(traces),
                seconds=seconds, label="data")
     if "sft" in stages and not (sft / "adapter").exists() and not args.sft_adapter:

@@ -117,9 +117,11 @@ def source_records(spec: SourceSpec, cfg: DataConfig,
 def split_records(records: Sequence[dict], fraction: float, seed: int,
                   name: str = "") -> tuple[list[dict], list[dict]]:
     """(train, validation): a shuffle seeded by (seed, name), the first round(fraction * n)
-    for validation; the copies carry their split."""
+    for validation; the copies carry their split. Generators of one family (knk, knk-brief)
+    split their shared problems alike."""
     order = list(records)
-    random.Random(f"split:{name}:{seed}").shuffle(order)
+    family = GENERATORS[name].family if name in GENERATORS else name
+    random.Random(f"split:{family}:{seed}").shuffle(order)
     n_validation = round(fraction * len(order))
     train = [{**r, "split": "train"} for r in order[n_validation:]]
     validation = [{**r, "split": "validation"} for r in order[:n_validation]]

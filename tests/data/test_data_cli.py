@@ -45,7 +45,7 @@ def test_writes_a_sample_of_a_loaded_task(tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["--task", "knights", "--n", "3", "--out", "x.jsonl"],
      "task 'knights' is not available; generated tasks: abduction_rules, arithmetic, "
-     "calculator, crypto, diagnosis, knk, list_fn, zebra; loaded tasks: "),
+     "calculator, crypto, diagnosis, knk, knk-brief, list_fn, zebra; loaded tasks: "),
     (["--task", "arithmetic"], "needs --n, --out (or --list)"),
     (["--task", "arithmetic", "--n", "0", "--out", "x.jsonl"], "--n must be >= 1; got 0"),
 ])

@@ -91,7 +91,7 @@ def test_unknown_and_planned_tasks_are_clear_errors(monkeypatch):
                                                                             "zebra"]
     with pytest.raises(GeneratorError, match="unknown generated task 'arith'; available: "
                                               "abduction_rules, arithmetic, calculator, crypto, "
-                                              "diagnosis, knk, list_fn, zebra"):
+                                              "diagnosis, knk, knk-brief, list_fn, zebra"):
         generate("arith", 3)
     monkeypatch.setitem(PLANNED, "sudoku", "Sudoku grids, coming later")
     with pytest.raises(GeneratorError, match="'sudoku' is not available yet: Sudoku grids, "

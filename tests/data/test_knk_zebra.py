@@ -196,3 +196,27 @@ def test_zebralogic_without_solutions_is_a_clear_error(tmp_path):
         load_zebralogic(path)
     with pytest.raises(FileNotFoundError, match="zebralogic file .* does not exist"):
         load_zebralogic(tmp_path / "absent.parquet")
+
+
+def test_knk_brief_words_the_same_puzzles_and_splits_them_alike():
+    from jaxrl.data.generators import generate as registered
+    from jaxrl.data.pipeline import split_records
+
+    full, brief = registered("knk", 40, seed=3), registered("knk-brief", 40, seed=3)
+    assert [r["answer"] for r in brief] == [r["answer"] for r in full]
+    assert [r["metadata"] for r in brief] == [r["metadata"] for r in full]
+    assert all(r["task"] == "knk-brief" and r["verifier"]["kind"] == "knk" for r in brief)
+    for short, long in zip(brief, full):
+        puzzle = long["messages"][-1]["content"].split("\n\n")[0]
+        text = short["messages"][-1]["content"]
+        assert text.startswith(puzzle + "\n\n") and len(text) < 0.5 * len(long["messages"][-1]
+                                                                          ["content"])
+        assert "(assert (= (knight X) S))" in text and "(step K FORMULA)" in text
+        assert f"<answer>{short['verifier']['people'][0]} is a knight" in text
+    held_out = [[r["answer"] for r in split_records(records, 0.25, 42, name)[1]]
+                for records, name in ((full, "knk"), (brief, "knk-brief"))]
+    assert held_out[0] == held_out[1] and len(held_out[0]) == 10
+    gold = f"<think>{chr(10).join(f'(assert {c})' for c in brief[0]['metadata']['clues_formal'])}"
+    result = Spring().score_one(Sample("", f"{gold}</think><answer>{brief[0]['answer']}</answer>",
+                                       brief[0]))
+    assert result.components["accuracy"] == result.components["parsed"] == 1.0

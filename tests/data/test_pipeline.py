@@ -106,7 +106,7 @@ def test_batches_are_copies():
 @pytest.mark.parametrize("overrides, message", [
     (["data.tasks=[arith]"], "config key 'data.tasks' has unknown task 'arith'; generated: "
                              "abduction_rules, arithmetic, calculator, crypto, diagnosis, knk, "
-                             "list_fn, zebra; loaded: "),
+                             "knk-brief, list_fn, zebra; loaded: "),
     (["data.tasks=[knk, zebralogic, zebra:5]", "data.weights=[1]"],
      "config key 'data.weights' has 1 entries but 'data.tasks' has 3 (knk, zebralogic, zebra)"),
     (["data.tasks=[crypto:0]"], "entry 'crypto:0' must be NAME or NAME:COUNT"),

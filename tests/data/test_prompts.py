@@ -14,7 +14,7 @@ from jaxrl.data.prompts import (
 from jaxrl.data.sources import SOURCES
 
 # prompts in Problem.fields["messages"]
-READY_MADE = {"knk", "zebra", "ar_lsat", "zebralogic", "calculator", "diagnosis"}
+READY_MADE = {"knk", "knk-brief", "zebra", "ar_lsat", "zebralogic", "calculator", "diagnosis"}
 
 
 def test_every_task_has_a_template_or_ready_made_messages():

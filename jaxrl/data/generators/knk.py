@@ -168,18 +168,32 @@ def vocabulary_text(people: list[str]) -> str:
         f"are only an example): <answer>{first} is a knight, {second} is a knave, ...</answer>."])
 
 
-def knk_messages(puzzle: KnkPuzzle) -> list[dict]:
-    """[system, user]: the puzzle, the formal block format, its symbols, the answer format."""
-    user = "\n\n".join([puzzle_text(puzzle), GUIDE, vocabulary_text(puzzle.people)])
+def brief_guide(people: list[str]) -> str:
+    """The block format in three lines, for a policy that has learned it (knk-brief)."""
+    first, second = people[0], people[1]
+    return "\n".join([
+        "Inside <think></think>, write each statement S made by X as (assert (= (knight X) S)), "
+        "one per line, then each new deduction as (step K FORMULA), K = 1, 2, ...",
+        f"Symbols: (knight X), (knave X) for X in {', '.join(people)}; (and ...) (or ...) "
+        "(not F) (=> F G) (= F G).",
+        f"Answer form: <answer>{first} is a knight, {second} is a knave, ...</answer>"])
+
+
+def knk_messages(puzzle: KnkPuzzle, brief: bool = False) -> list[dict]:
+    """[system, user]: the puzzle, the formal block format, its symbols, the answer format
+    (`brief`: the three lines of brief_guide)."""
+    parts = ([brief_guide(puzzle.people)] if brief
+             else [GUIDE, vocabulary_text(puzzle.people)])
+    user = "\n\n".join([puzzle_text(puzzle), *parts])
     return [{"role": "system", "content": system_prompt("knk")}, {"role": "user", "content": user}]
 
 
-def problem(puzzle: KnkPuzzle) -> Problem:
+def problem(puzzle: KnkPuzzle, brief: bool = False) -> Problem:
     """The puzzle as a Problem; fields["messages"] is its prompt."""
     verifier = {"kind": "knk", "people": puzzle.people, "theory": theory_spec(puzzle.people)}
     metadata = {"people": len(puzzle.people),
                 "clues_formal": [clue_formal(p, s) for p, s in puzzle.statements.items()]}
-    return Problem({"messages": knk_messages(puzzle)},
+    return Problem({"messages": knk_messages(puzzle, brief)},
                    answer_text(puzzle.people, puzzle.knights), verifier, metadata)
 
 
@@ -188,3 +202,11 @@ def make(rng: random.Random, difficulty: int) -> Problem:
     """A random puzzle at `difficulty` (1, 2 or 3; see LEVELS)."""
     (least, most), depth = LEVELS[difficulty]
     return problem(make_puzzle(rng, rng.randint(least, most), depth))
+
+
+@register("knk-brief", "the knk puzzles of the same seed, with a three-line format guide "
+          "(prompts ~60% shorter; for a policy warmed up on gold traces)", "knk", family="knk")
+def make_brief(rng: random.Random, difficulty: int) -> Problem:
+    """The puzzle make() draws from the same rng, prompted with brief_guide."""
+    (least, most), depth = LEVELS[difficulty]
+    return problem(make_puzzle(rng, rng.randint(least, most), depth), brief=True)

@@ -29,17 +29,20 @@ class Generator:
     make: Callable[[random.Random, int], Problem]
     description: str
     verifier_kind: str
+    family: str = ""  # generators of one family draw the same problems for the same seed
 
 
 GENERATORS: dict[str, Generator] = {}
 
 
-def register(name: str, description: str, verifier_kind: str):
-    """Decorator that registers `make(rng, difficulty) -> Problem` as generator `name`."""
+def register(name: str, description: str, verifier_kind: str, family: str | None = None):
+    """Decorator that registers `make(rng, difficulty) -> Problem` as generator `name`. A
+    generator of `family` (another generator's name) draws that generator's problems for the
+    same seed and difficulty, worded its own way."""
     def decorate(make: Callable[[random.Random, int], Problem]):
         if name in GENERATORS:
             raise GeneratorError(f"generator {name!r} is registered twice")
-        GENERATORS[name] = Generator(name, make, description, verifier_kind)
+        GENERATORS[name] = Generator(name, make, description, verifier_kind, family or name)
         return make
     return decorate
 
@@ -62,7 +65,7 @@ def generate(name: str, n: int, seed: int = 0, difficulty: int = 1) -> list[dict
         raise GeneratorError(f"difficulty must be one of {DIFFICULTIES}; got {difficulty!r}")
     if n < 0:
         raise GeneratorError(f"the number of records must be >= 0; got {n}")
-    rng = random.Random(f"{name}:{seed}:{difficulty}")
+    rng = random.Random(f"{generator.family}:{seed}:{difficulty}")
     records, seen, budget = [], set(), 50 * n + 100
     for _ in range(budget):
         if len(records) == n:
