@@ -49,20 +49,24 @@ from jaxrl.runlog import RunLog, trim_logs
 from jaxrl.sampling.sampler import SampleOutput, sample
 
 
-def _rows(out: SampleOutput) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """tokens, attention mask and positions [B, P + N] of prompt + completion."""
-    tokens = np.concatenate([out.prompt_tokens, out.tokens], axis=1)
-    mask = np.concatenate([out.prompt_mask, out.mask], axis=1)
+def _rows(rollout: Rollout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """tokens, attention mask and positions [B, P' + N'] of prompt + completion, in the columns
+    `Rollout.columns` keeps."""
+    out, (first, width) = rollout.out, rollout.columns
+    tokens = np.concatenate([out.prompt_tokens[:, first:], out.tokens[:, :width]], axis=1)
+    mask = np.concatenate([out.prompt_mask[:, first:], out.mask[:, :width]], axis=1)
     return tokens.astype(np.int32), mask, np.asarray(positions_from_mask(mask))
 
 
 def make_batch(rollout: Rollout, advantages: np.ndarray, keep: np.ndarray,
                to_device=functools.partial(jax.tree_util.tree_map, jnp.asarray)) -> Batch:
     """The update's batch; to_device places host rows (`Session.to_device` on a mesh)."""
-    tokens, mask, positions = _rows(rollout.out)
-    completion_mask = rollout.out.loss_mask & (keep[:, None] > 0)  # multi-turn: policy tokens
-    rows = to_device((tokens, positions, mask, completion_mask, rollout.out.logprobs,
-                      advantages))
+    tokens, mask, positions = _rows(rollout)
+    width = rollout.columns[1]
+    completion_mask = rollout.out.loss_mask[:, :width] & (keep[:, None] > 0)  # multi-turn:
+    # the policy's tokens
+    rows = to_device((tokens, positions, mask, completion_mask,
+                      rollout.out.logprobs[:, :width], advantages))
     return Batch(*rows, ref_logp=rollout.ref_logp)
 
 
@@ -120,9 +124,9 @@ def _reference(s: Session, phases: _Phases) -> Callable[[Rollout], None]:
         if s.cfg.grpo.beta == 0 or rollout.ref_logp is not None:
             return  # no KL term, or a resumed rollout whose pass was saved with it
         with phases.timing("time/reference"):
-            tokens, mask, positions = _rows(rollout.out)
+            tokens, mask, positions = _rows(rollout)
             rollout.ref_logp = jax.block_until_ready(s.reference_logprobs(
-                tokens, mask, positions, rollout.out.tokens.shape[1]))
+                tokens, mask, positions, rollout.columns[1]))
     return run
 
 

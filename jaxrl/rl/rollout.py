@@ -4,12 +4,14 @@ from the groups of several (dynamic sampling, jaxrl/rl/dynamic.py)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
 import numpy as np
 
 from jaxrl import distributed
+from jaxrl.sampling.buckets import bucket, quarter_bucket
 from jaxrl.sampling.sampler import SampleOutput
 
 _OUT_ARRAYS = ("prompt_tokens", "prompt_mask", "tokens", "mask", "logprobs")
@@ -25,7 +27,24 @@ class Rollout:
     # each row's record with its "episode", jaxrl/rl/episodes.py)
     prompts: list[str]  # [B] rendered chat prompts
     out: SampleOutput
-    ref_logp: jax.Array | None = None
+    ref_logp: jax.Array | None = None  # [B, columns[1]]
+
+    @functools.cached_property
+    def columns(self) -> tuple[int, int]:
+        """(first prompt column, completion columns) that the reference pass and the update
+        take: the sampler pads prompts to a power of two and completions to max_new_tokens,
+        and the columns that are padding in every row are dropped, down to a quarter bucket of
+        the longest prompt and a power-of-two bucket of the longest completion, so those
+        programs compile for a few widths only. Dropped prompt columns are masked left padding
+        and dropped completion columns follow every row's end, so no kept position's attention
+        or log-prob changes. Agreed across processes (each holds its own rows)."""
+        prompt, completion = self.out.prompt_mask.shape[1], self.out.tokens.shape[1]
+        longest_prompt = int(self.out.prompt_mask.sum(axis=1).max(initial=1))
+        used = np.flatnonzero(np.asarray(self.out.mask).any(axis=0))
+        longest = int(used[-1]) + 1 if used.size else 1
+        kept_prompt = distributed.host_max(min(prompt, quarter_bucket(longest_prompt)))
+        kept = distributed.host_max(min(completion, bucket(longest)))
+        return prompt - kept_prompt, kept
 
 
 def pack_rollout(rollout: Rollout) -> tuple[dict[str, np.ndarray], dict[str, Any]]:

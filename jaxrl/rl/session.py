@@ -69,13 +69,14 @@ def load_model(cfg: Config, rules, log: Callable[[str], None]):
     return model_dir, spec, tokenizer, params
 
 
-def reference_program(cfg: Config, spec, params, rules):
+def reference_program(cfg: Config, spec, params, rules, width: int | None = None):
     """The compiled reference pass of a step's rows: (params, tokens, positions, mask [B, S])
-    -> log-probs [B, sampling.max_new_tokens] under the frozen base (LoRA off), micro-batched as
-    the update is (`compile_reference`), on the mesh of `rules` (None: one device)."""
+    -> log-probs [B, width] (default: sampling.max_new_tokens) of the last `width` columns under
+    the frozen base (LoRA off), micro-batched as the update is (`compile_reference`), on the
+    mesh of `rules` (None: one device)."""
     rows = cfg.data.prompts_per_step * cfg.grpo.num_generations
     shardings = None if rules is None else reference_shardings(rules, params, spec, rows)
-    return compile_reference(spec, step_options(cfg, rules), shardings)
+    return compile_reference(spec, step_options(cfg, rules), shardings, width)
 
 
 def _my_prompts(cfg: Config, rules) -> tuple[slice, tuple[int, int]]:
@@ -147,18 +148,21 @@ class Session:
         return text_ids(self.tokenizer, text)
 
     @functools.cached_property
-    def _reference_fn(self):
-        return reference_program(self.cfg, self.spec, self.params, self.rules)
+    def _reference_fns(self) -> dict[int, Any]:
+        return {}
 
     def reference_logprobs(self, tokens, mask, positions, width: int) -> jax.Array:
-        """Log-probs [B, width] of the completion tokens under the frozen base (LoRA off),
-        micro-batched as the update is."""
-        if width != completion_width(self.cfg):
-            raise ValueError(f"the reference pass scores {completion_width(self.cfg)} completion "
-                             "columns (sampling.max_new_tokens, or env.max_tokens with "
-                             f"data.env); got {width}")
+        """Log-probs [B, width] of the last `width` tokens (the completions) under the frozen
+        base (LoRA off), micro-batched as the update is; one program per width."""
+        if not 1 <= width <= completion_width(self.cfg):
+            raise ValueError(f"the reference pass scores 1 to {completion_width(self.cfg)} "
+                             "completion columns (sampling.max_new_tokens, or env.max_tokens "
+                             f"with data.env); got {width}")
+        if width not in self._reference_fns:
+            self._reference_fns[width] = reference_program(self.cfg, self.spec, self.params,
+                                                           self.rules, width)
         tokens, mask, positions = self.to_device((tokens, mask, positions))
-        return self._reference_fn(self.params, tokens, positions, mask)
+        return self._reference_fns[width](self.params, tokens, positions, mask)
 
     def to_device(self, rows):
         """This process's rows [R, ...] (numpy) as the programs take them (jaxrl/distributed.py)."""

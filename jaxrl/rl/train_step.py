@@ -238,14 +238,16 @@ def train_step(state: TrainState, params, batch: Batch, *, spec: ModelSpec,
 
 
 def reference_logprobs(params, tokens: jax.Array, positions: jax.Array, attn_mask: jax.Array, *,
-                       spec: ModelSpec, opts: StepOptions) -> jax.Array:
-    """The GRPO reference pass: log-probs [B, N] (N = opts.max_new_tokens) of each row's last N
-    tokens under the frozen base (LoRA off, so no dropout either), at the learner's temperature,
-    opts.micro_batches micro-batches one at a time as the update takes them, so its
-    activations are the size of the update's forward."""
+                       spec: ModelSpec, opts: StepOptions, width: int | None = None) -> jax.Array:
+    """The GRPO reference pass: log-probs [B, N] (N = width, default opts.max_new_tokens) of
+    each row's last N tokens under the frozen base (LoRA off, so no dropout either), at the
+    learner's temperature, opts.micro_batches micro-batches one at a time as the update takes
+    them, so its activations are the size of the update's forward."""
+    n = opts.max_new_tokens if width is None else width
+
     def score(tok, pos, mask):
         return token_logprobs(params, spec, tok, pos, mask, None,
-                              start=tok.shape[1] - opts.max_new_tokens, chunk=opts.logprob_chunk,
+                              start=tok.shape[1] - n, chunk=opts.logprob_chunk,
                               temperature=opts.temperature, remat="none",
                               shardings=opts.mesh)[0]
 
@@ -261,13 +263,14 @@ def reference_logprobs(params, tokens: jax.Array, positions: jax.Array, attn_mas
 
 
 def compile_reference(spec: ModelSpec, opts: StepOptions,
-                      shardings: tuple[Any, Any] | None = None):
-    """The jitted reference pass `(params, tokens, positions, attn_mask) -> [B, N]`.
-    shardings: (in, out) from `jaxrl.sharding.reference_shardings`; None for one device."""
+                      shardings: tuple[Any, Any] | None = None, width: int | None = None):
+    """The jitted reference pass `(params, tokens, positions, attn_mask) -> [B, N]` scoring the
+    last N = width (default opts.max_new_tokens) columns. shardings: (in, out) from
+    `jaxrl.sharding.reference_shardings`; None for one device."""
     placed = {} if shardings is None else {"in_shardings": shardings[0],
                                            "out_shardings": shardings[1]}
     return jax.jit(lambda params, tokens, positions, mask: reference_logprobs(
-        params, tokens, positions, mask, spec=spec, opts=opts), **placed)
+        params, tokens, positions, mask, spec=spec, opts=opts, width=width), **placed)
 
 
 def jit_step(step, shardings: tuple[Any, Any] | None = None):

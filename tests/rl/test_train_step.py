@@ -134,8 +134,10 @@ def test_variants_micro_batched_equal_whole_batch(setup):
                 "seq_clip_frac", "delta_clip_frac", "entropy_selected_frac", "ratio_mean"):
         np.testing.assert_allclose(m1[key], m2[key], rtol=1e-5, atol=1e-7, err_msg=key)
     assert 0 < float(m1["entropy_selected_frac"]) < 1 and float(m1["grad_norm"]) > 0
+    # Adam divides each gradient by its own scale, so where a gradient is tiny the summation
+    # order of the micro-batches moves that element's step by up to ~1e-6 (2e-6 seen on Zen 4)
     for a, b in zip(jax.tree_util.tree_leaves(whole.lora), jax.tree_util.tree_leaves(split.lora)):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=5e-6)
 
 
 @pytest.mark.slow
