@@ -112,7 +112,7 @@ class _StepRunner:
     prompt_tokens: int
 
     def __post_init__(self):
-        from jaxrl.rl.session import make_trainer, reference_program
+        from jaxrl.rl.session import make_trainer
         from jaxrl.sharding import place
 
         s, cfg = self.subject, self.subject.cfg
@@ -121,7 +121,7 @@ class _StepRunner:
                                                                       s.rules, self.key)
         if self.shardings is not None:
             self.state = place(self.state, self.shardings[0][0])
-        self.reference = reference_program(cfg, s.spec, s.params, s.rules)
+        self.references = {}  # completion width -> the reference pass scoring that many
         g = cfg.grpo.num_generations
         prompts = random_prompts(s.spec, [self.prompt_tokens] * cfg.data.prompts_per_step,
                                  cfg.run.seed)
@@ -144,7 +144,7 @@ class _StepRunner:
         batch = make_batch(Rollout(i, [], [], out), np.asarray(adv.advantages),
                            np.asarray(adv.keep), to_device)
         if cfg.grpo.beta > 0:
-            ref, t_reference = _timed(lambda: self.reference(
+            ref, t_reference = _timed(lambda: self.reference(batch)(
                 s.params, batch.tokens, batch.positions, batch.attn_mask))
             batch = batch.replace(ref_logp=ref)
         else:
@@ -159,6 +159,16 @@ class _StepRunner:
         return {"rollout": t_rollout, "reference": t_reference, "update": t_update,
                 "step": t_rollout + t_reference + t_update}
 
+    def reference(self, batch):
+        """The reference pass of `batch`'s completion width (`jaxrl.rl.rollout.Rollout.columns`)."""
+        from jaxrl.rl.session import reference_program
+
+        width = batch.completion_mask.shape[1]
+        if width not in self.references:
+            s = self.subject
+            self.references[width] = reference_program(s.cfg, s.spec, s.params, s.rules, width)
+        return self.references[width]
+
     def memory(self) -> dict:
         """(remat policy, peak bytes of the reference and update programs)."""
         from jaxrl.rl.remat import AutoRematStep
@@ -170,7 +180,8 @@ class _StepRunner:
         else:
             policy = s.cfg.optim.remat
             update = self.train_step.lower(self.state, s.params, b).compile()
-        reference = self.reference.lower(s.params, b.tokens, b.positions, b.attn_mask).compile()
+        reference = self.reference(b).lower(s.params, b.tokens, b.positions,
+                                            b.attn_mask).compile()
         return {"remat": policy, "peak_bytes": {"reference": compiled_peak(reference),
                                                 "update": compiled_peak(update)},
                 "device_peak_bytes": device_peak_bytes()}
