@@ -111,8 +111,10 @@ def _metrics(run: Path) -> list[dict]:
 def plot_components(out: Path) -> Path:
     """Per run: the summed reward and the spring components over steps."""
     fig, axes = plt.subplots(1, len(REWARDS), figsize=(11, 3.4), sharey=True)
+    runs = {name: _metrics(out / name) for name in REWARDS}
+    last = min(max(m["step"] for m in rows) for rows in runs.values())  # the steps both ran
     for ax, name in zip(axes, REWARDS):
-        rows = _metrics(out / name)
+        rows = [m for m in runs[name] if m["step"] <= last]
         steps = [m["step"] for m in rows]
         keys = sorted(k for k in rows[0] if k.startswith("reward/") and k.endswith("/mean"))
         for key in keys:
