@@ -162,6 +162,13 @@ def host_max(value: int) -> int:
     return int(np.max(multihost_utils.process_allgather(np.int64(value))))
 
 
+def host_gcd(value: int) -> int:
+    """The greatest common divisor of `value` over all processes (every process calls it)."""
+    if jax.process_count() == 1:
+        return value
+    return int(np.gcd.reduce(multihost_utils.process_allgather(np.int64(value))))
+
+
 def _first_of_each_start(starts) -> np.ndarray:
     """Indices of the processes whose blocks make up all rows once, in row order."""
     return np.unique(np.asarray(starts), return_index=True)[1]

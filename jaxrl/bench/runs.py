@@ -121,7 +121,7 @@ class _StepRunner:
                                                                       s.rules, self.key)
         if self.shardings is not None:
             self.state = place(self.state, self.shardings[0][0])
-        self.references = {}  # completion width -> the reference pass scoring that many
+        self.references = {}  # (completion width, share) -> the reference pass
         g = cfg.grpo.num_generations
         prompts = random_prompts(s.spec, [self.prompt_tokens] * cfg.data.prompts_per_step,
                                  cfg.run.seed)
@@ -132,6 +132,7 @@ class _StepRunner:
         from jaxrl.rl.advantages import compute_advantages
         from jaxrl.rl.loop import make_batch
         from jaxrl.rl.rollout import Rollout
+        from jaxrl.rl.session import prompt_share_limit
         from jaxrl.sampling.sampler import sample
 
         s, cfg = self.subject, self.subject.cfg
@@ -141,8 +142,9 @@ class _StepRunner:
             lora=self.state.lora, eos_ids=(), shardings=s.rules))
         rewards = np.random.default_rng(i).normal(size=len(self.rows)).astype(np.float32)
         adv = compute_advantages(rewards, cfg.grpo.num_generations, scale=cfg.grpo.scale_rewards)
-        batch = make_batch(Rollout(i, [], [], out), np.asarray(adv.advantages),
-                           np.asarray(adv.keep), to_device)
+        rollout = Rollout(i, [], [], out)
+        batch = make_batch(rollout, np.asarray(adv.advantages), np.asarray(adv.keep), to_device,
+                           rollout.share(prompt_share_limit(cfg, s.rules, len(self.rows))))
         if cfg.grpo.beta > 0:
             ref, t_reference = _timed(lambda: self.reference(batch)(
                 s.params, batch.tokens, batch.positions, batch.attn_mask))
@@ -160,14 +162,15 @@ class _StepRunner:
                 "step": t_rollout + t_reference + t_update}
 
     def reference(self, batch):
-        """The reference pass of `batch`'s completion width (`jaxrl.rl.rollout.Rollout.columns`)."""
+        """The reference pass of `batch`'s completion width (`jaxrl.rl.rollout.Rollout.columns`)
+        and prompt sharing (`Batch.share`)."""
         from jaxrl.rl.session import reference_program
 
-        width = batch.completion_mask.shape[1]
-        if width not in self.references:
+        key = batch.completion_mask.shape[1], batch.share
+        if key not in self.references:
             s = self.subject
-            self.references[width] = reference_program(s.cfg, s.spec, s.params, s.rules, width)
-        return self.references[width]
+            self.references[key] = reference_program(s.cfg, s.spec, s.params, s.rules, *key)
+        return self.references[key]
 
     def memory(self) -> dict:
         """(remat policy, peak bytes of the reference and update programs)."""

@@ -225,7 +225,7 @@ def lower_step(cfg, spec, rules, run: AbstractRun, remat: str):
     import jax
     import jax.numpy as jnp
 
-    from jaxrl.rl.session import completion_width, step_options
+    from jaxrl.rl.session import completion_width, prompt_share_limit, step_options
     from jaxrl.rl.train_step import Batch, compile_train_step
     from jaxrl.sampling.buckets import bucket
     from jaxrl.sharding import step_shardings
@@ -236,7 +236,8 @@ def lower_step(cfg, spec, rules, run: AbstractRun, remat: str):
     batch = Batch(tokens=sds((b, s), jnp.int32), positions=sds((b, s), jnp.int32),
                   attn_mask=sds((b, s), jnp.bool_), completion_mask=sds((b, n), jnp.bool_),
                   logp_old=sds((b, n), jnp.float32), advantages=sds((b,), jnp.float32),
-                  ref_logp=sds((b, n), jnp.float32) if cfg.grpo.beta > 0 else None)
+                  ref_logp=sds((b, n), jnp.float32) if cfg.grpo.beta > 0 else None,
+                  share=prompt_share_limit(cfg, rules, b))  # a group's rows: one prompt
     shardings = step_shardings(rules, run.state, run.params, spec, run.optimizer, b)
     opts = dataclasses.replace(step_options(cfg, rules), remat=remat)
     step = compile_train_step(spec, run.optimizer, opts, shardings)
@@ -249,7 +250,7 @@ def lower_reference(cfg, spec, rules, run: AbstractRun):
     import jax
     import jax.numpy as jnp
 
-    from jaxrl.rl.session import completion_width, step_options
+    from jaxrl.rl.session import completion_width, prompt_share_limit, step_options
     from jaxrl.rl.train_step import compile_reference
     from jaxrl.sampling.buckets import bucket
     from jaxrl.sharding import reference_shardings
@@ -259,8 +260,9 @@ def lower_reference(cfg, spec, rules, run: AbstractRun):
     shardings = reference_shardings(rules, run.params, spec, b)
     rows = jax.ShapeDtypeStruct((b, s), jnp.int32, sharding=shardings[1])
     mask = jax.ShapeDtypeStruct((b, s), jnp.bool_, sharding=shardings[1])
-    return compile_reference(spec, step_options(cfg, rules), shardings).lower(
-        run.params, rows, rows, mask)
+    share = prompt_share_limit(cfg, rules, b)  # a group's rows: one prompt
+    return compile_reference(spec, step_options(cfg, rules), shardings,
+                             share=share).lower(run.params, rows, rows, mask)
 
 
 class OutOfMemory(RuntimeError):

@@ -118,11 +118,12 @@ def decoder_layer(h: jax.Array, lp: Params, proj, rope, spec: ModelSpec, attenti
     return h + proj("down_proj", jax.nn.silu(proj("gate_proj", x)) * proj("up_proj", x)), kv
 
 
-def _attention(mask: jax.Array):
-    """Attention over this call's keys alone (no cache)."""
+def _attention(mask: jax.Array, keep: bool = False):
+    """Attention over this call's keys alone (no cache); keep: also return its keys and values
+    [B, K, T, D] as the layer's kv (for the rows that attend to them next)."""
     def attention(q, k, v):
         k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, D]
-        return attend(q, k, v, mask), None
+        return attend(q, k, v, mask), ((k, v) if keep else None)
     return attention
 
 
@@ -197,6 +198,54 @@ def hidden_states(params: Params, tokens: jax.Array, positions: jax.Array, spec:
     h, new = jax.lax.scan(body, h, (params["layers"], ll, keys, kv))
     h = rms_norm(h, params["norm"]["scale"], spec.rms_norm_eps)
     return h, (None if cache is None else write_tokens(cache, *new))
+
+
+def prefix_hidden_states(params: Params, tokens: jax.Array, positions: jax.Array,
+                         spec: ModelSpec, *, prefix: int, share: int,
+                         attn_mask: jax.Array | None = None, lora: Lora | None = None,
+                         remat: str = "none", shardings: MeshRules | None = None):
+    """`hidden_states` of rows whose first `prefix` columns (tokens, positions and mask) are
+    the same in each block of `share` consecutive rows, as a GRPO group's rows share their
+    prompt: the prefix runs once per block, and the rows' later columns attend to their block's
+    keys and values. Returns the final-normed (prefix [B / share, P, E], rest [B, T - P, E]):
+    the same values as hidden_states(...)[:, :P] of each block's first row and [:, P:], with
+    P / T of the rows' work done once per block instead of once per row. Differentiable: a
+    block's prefix gathers the gradients of all its rows.
+
+    No LoRA dropout (no rng): masks drawn once per block would tie the rows' prompt masks."""
+    b, t = tokens.shape
+    if b % share or not 1 <= prefix < t:
+        raise ValueError(f"{b} rows of {t} columns do not split into blocks of {share} rows "
+                         f"sharing a prefix of {prefix} columns")
+    if attn_mask is None:
+        attn_mask = jnp.ones((b, t), bool)
+    first = lambda x: x[:, :prefix].reshape(b // share, share, prefix)[:, 0]  # noqa: E731
+    n = t - prefix
+    mask_p = attention_mask(first(attn_mask), prefix, jnp.zeros((b // share,), jnp.int32))
+    causal = jnp.arange(n)[:, None] >= jnp.arange(n)[None, :]  # [N, N]
+    mask_c = jnp.concatenate([jnp.broadcast_to(attn_mask[:, None, :prefix], (b, n, prefix)),
+                              causal & attn_mask[:, None, prefix:]], axis=2)  # [B, N, P + N]
+    rope_p, rope_c = rope_tables(first(positions), spec), rope_tables(positions[:, prefix:], spec)
+    table = params["embed_tokens"]["embedding"]
+    hp = split_rows(shardings, embed(table, first(tokens)))  # [B / share, P, E]
+    hc = split_rows(shardings, embed(table, tokens[:, prefix:]))  # [B, N, E]
+
+    def layer(carry, xs):
+        lp, ll = layer_weights(shardings, *xs, spec)
+        proj = projector(lp, ll, lora, None)
+        hp, (k, v) = decoder_layer(split_rows(shardings, carry[0]), lp, proj, rope_p, spec,
+                                   _attention(mask_p, keep=True))
+        k, v = (jnp.repeat(x, share, axis=0) for x in (k, v))  # each row its block's
+        hc, _ = decoder_layer(split_rows(shardings, carry[1]), lp, proj, rope_c, spec,
+                              _cached_attention(mask_c, k, v))
+        return (hp, hc), None
+
+    ll = None if lora is None else lora.weights["layers"]
+    policy = REMAT_POLICIES[remat]
+    body = layer if policy is None else jax.checkpoint(layer, policy=policy)
+    (hp, hc), _ = jax.lax.scan(body, (hp, hc), (params["layers"], ll))
+    scale, eps = params["norm"]["scale"], spec.rms_norm_eps
+    return rms_norm(hp, scale, eps), rms_norm(hc, scale, eps)
 
 
 def lm_logits(params: Params, h: jax.Array, spec: ModelSpec) -> jax.Array:

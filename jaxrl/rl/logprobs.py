@@ -25,7 +25,8 @@ import jax.numpy as jnp
 
 from jaxrl.lora.lora import Lora
 from jaxrl.model.families import ModelSpec
-from jaxrl.model.transformer import Params, hidden_states, lm_logits, logits_at
+from jaxrl.model.transformer import (Params, hidden_states, lm_logits, logits_at,
+                                     prefix_hidden_states)
 from jaxrl.sharding import MeshRules, head_logits
 
 
@@ -79,7 +80,7 @@ def token_logprobs(params: Params, spec: ModelSpec, tokens: jax.Array, positions
                    attn_mask: jax.Array | None = None, lora: Lora | None = None, *,
                    start: int = 1, chunk: int = 128, temperature: float = 1.0,
                    with_entropy: bool = False, remat: str = "full", rng: jax.Array | None = None,
-                   shardings: MeshRules | None = None):
+                   shardings: MeshRules | None = None, share: int = 1):
     """(logp [B, T - start], entropy [B, T - start] or None) of tokens[:, start:], float32.
 
     tokens, positions, attn_mask [B, T] as for `hidden_states`; lora None scores the frozen base
@@ -89,16 +90,28 @@ def token_logprobs(params: Params, spec: ModelSpec, tokens: jax.Array, positions
     `chunked_logprobs` for chunk and temperature. shardings: the mesh the arrays lie on; the
     layers gather their weights over its FSDP axes, and the head's logits keep the vocab split
     its table has (`jaxrl.sharding.head_rules`): the log-softmax and the target's logit reduce
-    [B, C] across that split.
+    [B, C] across that split. share: blocks of that many consecutive rows hold the same first
+    `start` columns (a GRPO group's prompt), which then run once per block
+    (`jaxrl.model.transformer.prefix_hidden_states`; not with LoRA dropout); 1: every row alone.
     """
     t = tokens.shape[1]
     if not 1 <= start < t:
         raise ValueError(f"start must be in [1, {t}) for tokens of length {t} (position 0 has "
                          f"no prediction); got {start}")
     _check_chunking(chunk, temperature)  # before the forward pass, not after it
-    h, _ = hidden_states(params, tokens, positions, spec, attn_mask=attn_mask, lora=lora,
-                         rng=rng, remat=remat, shardings=shardings)
-    return chunked_logprobs(h[:, start - 1:-1], tokens[:, start:],
+    if share > 1:
+        if rng is not None and lora is not None and lora.dropout > 0:
+            raise ValueError("rows sharing their prompt (share > 1) take no LoRA dropout")
+        prefix, rest = prefix_hidden_states(params, tokens, positions, spec, prefix=start,
+                                            share=share, attn_mask=attn_mask, lora=lora,
+                                            remat=remat, shardings=shardings)
+        # the prefix's last position predicts each row's first scored token
+        h = jnp.concatenate([jnp.repeat(prefix[:, -1:], share, axis=0), rest[:, :-1]], axis=1)
+    else:
+        h, _ = hidden_states(params, tokens, positions, spec, attn_mask=attn_mask, lora=lora,
+                             rng=rng, remat=remat, shardings=shardings)
+        h = h[:, start - 1:-1]
+    return chunked_logprobs(h, tokens[:, start:],
                             lambda x: head_logits(shardings, lm_logits(params, x, spec)),
                             chunk=chunk, temperature=temperature, with_entropy=with_entropy,
                             remat=remat != "none")

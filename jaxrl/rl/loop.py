@@ -59,15 +59,17 @@ def _rows(rollout: Rollout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def make_batch(rollout: Rollout, advantages: np.ndarray, keep: np.ndarray,
-               to_device=functools.partial(jax.tree_util.tree_map, jnp.asarray)) -> Batch:
-    """The update's batch; to_device places host rows (`Session.to_device` on a mesh)."""
+               to_device=functools.partial(jax.tree_util.tree_map, jnp.asarray),
+               share: int = 1) -> Batch:
+    """The update's batch; to_device places host rows (`Session.to_device` on a mesh); share:
+    rows per block holding one prompt (`Session.share`)."""
     tokens, mask, positions = _rows(rollout)
     width = rollout.columns[1]
     completion_mask = rollout.out.loss_mask[:, :width] & (keep[:, None] > 0)  # multi-turn:
     # the policy's tokens
     rows = to_device((tokens, positions, mask, completion_mask,
                       rollout.out.logprobs[:, :width], advantages))
-    return Batch(*rows, ref_logp=rollout.ref_logp)
+    return Batch(*rows, ref_logp=rollout.ref_logp, share=share)
 
 
 class _Phases:
@@ -126,7 +128,7 @@ def _reference(s: Session, phases: _Phases) -> Callable[[Rollout], None]:
         with phases.timing("time/reference"):
             tokens, mask, positions = _rows(rollout)
             rollout.ref_logp = jax.block_until_ready(s.reference_logprobs(
-                tokens, mask, positions, rollout.columns[1]))
+                tokens, mask, positions, rollout.columns[1], s.share(rollout)))
     return run
 
 
@@ -223,7 +225,8 @@ def _update(s: Session, rollout: Rollout, scored):
         truncated = np.array([reason == "length" for reason in rollout.out.finish_reasons])
         keep = keep * ~truncated
         masked = {"grpo/truncated_masked_frac": float(truncated.mean())}
-    batch = make_batch(rollout, np.asarray(adv.advantages)[mine], keep, s.to_device)
+    batch = make_batch(rollout, np.asarray(adv.advantages)[mine], keep, s.to_device,
+                       s.share(rollout))
     for _ in range(grpo.num_iterations):
         s.state, update = s.train_step(s.state, s.params, batch)
     jax.block_until_ready(s.state)

@@ -46,6 +46,23 @@ class Rollout:
         kept = distributed.host_max(min(completion, bucket(longest)))
         return prompt - kept_prompt, kept
 
+    def share(self, limit: int) -> int:
+        """The most consecutive rows, a divisor of `limit`, that hold the same prompt in every
+        block of them (a group's G rows do), agreed across processes (their greatest common
+        divisor): the reference pass and the update then run each block's prompt once
+        (`jaxrl.rl.train_step.Batch.share`). 1 where rows' prompts differ."""
+        tokens, mask = self.out.prompt_tokens, np.asarray(self.out.prompt_mask, bool)
+        tokens, rows = np.where(mask, tokens, -1), len(tokens)  # pad ids do not matter
+        found = 1
+        for d in range(limit, 1, -1):
+            if limit % d or rows % d:
+                continue
+            blocks = (tokens.reshape(rows // d, d, -1), mask.reshape(rows // d, d, -1))
+            if all((x == x[:, :1]).all() for x in blocks):
+                found = d
+                break
+        return distributed.host_gcd(found)
+
 
 def pack_rollout(rollout: Rollout) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """(host arrays, JSON info) of a rollout, as a checkpoint holds it."""

@@ -3,6 +3,7 @@ compiled programs. Built once from the config; the loop in loop.py drives it."""
 from __future__ import annotations
 
 import functools
+import math
 import sys
 from typing import Any, Callable
 
@@ -23,7 +24,7 @@ from jaxrl.model.families import load_spec
 from jaxrl.quant.qparams import dequantize_strategy
 from jaxrl.rewards.pool import RewardPool, pipelined
 from jaxrl.rl.episodes import Chat
-from jaxrl.rl.rollout import unpack_rollout
+from jaxrl.rl.rollout import Rollout, unpack_rollout
 from jaxrl.rl.train_step import (StepOptions, compile_reference, compile_train_step,
                                  init_train_state, make_optimizer)
 from jaxrl.sharding import MeshRules, place, reference_shardings, step_shardings
@@ -69,14 +70,28 @@ def load_model(cfg: Config, rules, log: Callable[[str], None]):
     return model_dir, spec, tokenizer, params
 
 
-def reference_program(cfg: Config, spec, params, rules, width: int | None = None):
+def prompt_share_limit(cfg: Config, rules: MeshRules | None, local_rows: int) -> int:
+    """The most rows one block sharing a prompt may hold (`Rollout.share`): a divisor of a
+    group's G rows, of this process's rows and of a micro-batch's rows per batch shard of the
+    mesh, so blocks never straddle a group, a process, a micro-batch or a shard; 1 with LoRA
+    dropout, whose masks are drawn per row."""
+    if cfg.lora.dropout > 0:
+        return 1
+    micro = cfg.data.prompts_per_step * cfg.grpo.num_generations // step_options(cfg).micro_batches
+    ways = 1 if rules is None else rules.batch_ways
+    per_shard = micro // ways if micro % ways == 0 else 1
+    return math.gcd(cfg.grpo.num_generations, local_rows, per_shard)
+
+
+def reference_program(cfg: Config, spec, params, rules, width: int | None = None,
+                      share: int = 1):
     """The compiled reference pass of a step's rows: (params, tokens, positions, mask [B, S])
     -> log-probs [B, width] (default: sampling.max_new_tokens) of the last `width` columns under
     the frozen base (LoRA off), micro-batched as the update is (`compile_reference`), on the
-    mesh of `rules` (None: one device)."""
+    mesh of `rules` (None: one device); share as `jaxrl.rl.train_step.Batch.share`."""
     rows = cfg.data.prompts_per_step * cfg.grpo.num_generations
     shardings = None if rules is None else reference_shardings(rules, params, spec, rows)
-    return compile_reference(spec, step_options(cfg, rules), shardings, width)
+    return compile_reference(spec, step_options(cfg, rules), shardings, width, share)
 
 
 def _my_prompts(cfg: Config, rules) -> tuple[slice, tuple[int, int]]:
@@ -151,18 +166,24 @@ class Session:
     def _reference_fns(self) -> dict[int, Any]:
         return {}
 
-    def reference_logprobs(self, tokens, mask, positions, width: int) -> jax.Array:
+    def share(self, rollout: Rollout) -> int:
+        """Rows per block of `rollout` that hold one prompt, run once (`Rollout.share`)."""
+        return rollout.share(prompt_share_limit(self.cfg, self.rules, len(rollout.out.tokens)))
+
+    def reference_logprobs(self, tokens, mask, positions, width: int,
+                           share: int = 1) -> jax.Array:
         """Log-probs [B, width] of the last `width` tokens (the completions) under the frozen
-        base (LoRA off), micro-batched as the update is; one program per width."""
+        base (LoRA off), micro-batched as the update is, each block of `share` rows' prompt run
+        once; one program per (width, share)."""
         if not 1 <= width <= completion_width(self.cfg):
             raise ValueError(f"the reference pass scores 1 to {completion_width(self.cfg)} "
                              "completion columns (sampling.max_new_tokens, or env.max_tokens "
                              f"with data.env); got {width}")
-        if width not in self._reference_fns:
-            self._reference_fns[width] = reference_program(self.cfg, self.spec, self.params,
-                                                           self.rules, width)
+        if (width, share) not in self._reference_fns:
+            self._reference_fns[width, share] = reference_program(
+                self.cfg, self.spec, self.params, self.rules, width, share)
         tokens, mask, positions = self.to_device((tokens, mask, positions))
-        return self._reference_fns[width](self.params, tokens, positions, mask)
+        return self._reference_fns[width, share](self.params, tokens, positions, mask)
 
     def to_device(self, rows):
         """This process's rows [R, ...] (numpy) as the programs take them (jaxrl/distributed.py)."""

@@ -50,6 +50,9 @@ class Batch:
     logp_old: jax.Array  # [B, N] float32, the sampler's log-probs (pi_old)
     advantages: jax.Array  # [B] float32
     ref_logp: jax.Array | None = None  # [B, N] float32, None when beta == 0
+    # blocks of `share` consecutive rows hold the same prompt columns, which the forward
+    # passes then run once per block (`Rollout.share`); 1: every row alone. Static.
+    share: int = struct.field(pytree_node=False, default=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +119,7 @@ def _loss(lora: Lora, params, spec: ModelSpec, mb: Batch, weights: jax.Array,
         params, spec, mb.tokens, mb.positions, mb.attn_mask, lora,
         start=mb.tokens.shape[1] - width, chunk=opts.logprob_chunk,
         temperature=opts.temperature, with_entropy=True, remat=opts.remat, rng=rng,
-        shardings=opts.mesh)
+        shardings=opts.mesh, share=mb.share)
     loss, metrics = grpo_loss(logp, mb.logp_old, mb.advantages, mb.completion_mask, opts.grpo,
                               ref_logp=mb.ref_logp, max_new_tokens=opts.max_new_tokens,
                               weights=weights, entropy=entropy, selected=selected)
@@ -181,7 +184,8 @@ def batch_entropy(lora, params, spec, batch: Batch, opts: StepOptions,
         return token_logprobs(params, spec, mb.tokens, mb.positions, mb.attn_mask, lora,
                               start=mb.tokens.shape[1] - width, chunk=opts.logprob_chunk,
                               temperature=opts.temperature, with_entropy=True, remat="none",
-                              rng=micro_key(rng, index), shardings=opts.mesh)[1]
+                              rng=micro_key(rng, index), shardings=opts.mesh,
+                              share=mb.share)[1]
     m = opts.micro_batches
     entropy = jax.lax.map(lambda x: one(*x), (jnp.arange(m), _split(batch, m)))
     return entropy.reshape(batch.completion_mask.shape)
@@ -225,6 +229,9 @@ def train_step(state: TrainState, params, batch: Batch, *, spec: ModelSpec,
         raise ValueError(f"batch of {batch.tokens.shape[0]} rows does not split into "
                          f"{opts.micro_batches} micro-batches; set optim.micro_batch_size to a "
                          "divisor of prompts_per_step * num_generations")
+    if batch.tokens.shape[0] // opts.micro_batches % batch.share:
+        raise ValueError(f"micro-batches of {batch.tokens.shape[0] // opts.micro_batches} rows "
+                         f"do not split into blocks of {batch.share} rows sharing a prompt")
     weights = token_weights(batch.completion_mask, opts.grpo.loss_agg, opts.max_new_tokens)
     rng = dropout_key(state.lora, opts.seed, state)
     selected = whole_batch_selection(state.lora, params, spec, batch, opts, rng)
@@ -238,18 +245,19 @@ def train_step(state: TrainState, params, batch: Batch, *, spec: ModelSpec,
 
 
 def reference_logprobs(params, tokens: jax.Array, positions: jax.Array, attn_mask: jax.Array, *,
-                       spec: ModelSpec, opts: StepOptions, width: int | None = None) -> jax.Array:
+                       spec: ModelSpec, opts: StepOptions, width: int | None = None,
+                       share: int = 1) -> jax.Array:
     """The GRPO reference pass: log-probs [B, N] (N = width, default opts.max_new_tokens) of
     each row's last N tokens under the frozen base (LoRA off, so no dropout either), at the
     learner's temperature, opts.micro_batches micro-batches one at a time as the update takes
-    them, so its activations are the size of the update's forward."""
+    them, so its activations are the size of the update's forward; share as `Batch.share`."""
     n = opts.max_new_tokens if width is None else width
 
     def score(tok, pos, mask):
         return token_logprobs(params, spec, tok, pos, mask, None,
                               start=tok.shape[1] - n, chunk=opts.logprob_chunk,
                               temperature=opts.temperature, remat="none",
-                              shardings=opts.mesh)[0]
+                              shardings=opts.mesh, share=share)[0]
 
     b, m = tokens.shape[0], opts.micro_batches
     if b % m:
@@ -263,14 +271,17 @@ def reference_logprobs(params, tokens: jax.Array, positions: jax.Array, attn_mas
 
 
 def compile_reference(spec: ModelSpec, opts: StepOptions,
-                      shardings: tuple[Any, Any] | None = None, width: int | None = None):
+                      shardings: tuple[Any, Any] | None = None, width: int | None = None,
+                      share: int = 1):
     """The jitted reference pass `(params, tokens, positions, attn_mask) -> [B, N]` scoring the
-    last N = width (default opts.max_new_tokens) columns. shardings: (in, out) from
-    `jaxrl.sharding.reference_shardings`; None for one device."""
+    last N = width (default opts.max_new_tokens) columns of rows sharing their prompt in blocks
+    of `share` (`Batch.share`). shardings: (in, out) from `jaxrl.sharding.reference_shardings`;
+    None for one device."""
     placed = {} if shardings is None else {"in_shardings": shardings[0],
                                            "out_shardings": shardings[1]}
     return jax.jit(lambda params, tokens, positions, mask: reference_logprobs(
-        params, tokens, positions, mask, spec=spec, opts=opts, width=width), **placed)
+        params, tokens, positions, mask, spec=spec, opts=opts, width=width, share=share),
+        **placed)
 
 
 def jit_step(step, shardings: tuple[Any, Any] | None = None):
