@@ -62,23 +62,25 @@ def lora_delta(x: jax.Array, ab: dict[str, jax.Array], scale: float,
 
 
 def _low_rank_fwd(x, a, b, scale):
+    """scale is applied to the small [tokens, r] product, never to a [tokens, out] array."""
     xa = jnp.einsum("...i,ir->...r", x, a.astype(x.dtype), preferred_element_type=jnp.float32)
-    y = jnp.einsum("...r,ro->...o", xa.astype(x.dtype), b.astype(x.dtype),
-                   preferred_element_type=jnp.float32)
-    return (scale * y).astype(x.dtype), (x, a, b, xa)
+    xa = (scale * xa).astype(x.dtype)
+    y = jnp.einsum("...r,ro->...o", xa, b.astype(x.dtype), preferred_element_type=jnp.float32)
+    return y.astype(x.dtype), (x, a, b, xa)
 
 
 def _low_rank_bwd(scale, residuals, g):
     """Gradients written as plain 2-D products with the small [tokens, r] operand transposed:
     differentiated automatically, dB = xa^T g made XLA's CPU backend transpose the large
-    [tokens, out] cotangent in a slow loop (2.5x the whole LoRA backward)."""
-    x, a, b, xa = residuals
+    [tokens, out] cotangent in a slow loop (2.5x the whole LoRA backward). The cotangent g
+    [tokens, out] is read as it comes (scale goes to B [r, out]), twice: for dB and dxa."""
+    x, a, b, xa = residuals  # xa: the scaled x @ A
     dtype = x.dtype
     x2 = x.reshape(-1, x.shape[-1])  # [T, in]
-    g2 = (scale * g.reshape(-1, g.shape[-1]).astype(jnp.float32)).astype(dtype)  # [T, out]
-    xa2 = xa.reshape(-1, xa.shape[-1]).astype(dtype)  # [T, r]
-    db = jnp.dot(xa2.T, g2, preferred_element_type=jnp.float32)  # [r, out]
-    dxa = jnp.dot(g2, b.astype(dtype).T, preferred_element_type=jnp.float32).astype(dtype)
+    g2 = g.reshape(-1, g.shape[-1]).astype(dtype)  # [T, out]
+    db = jnp.dot(xa.reshape(-1, xa.shape[-1]).T, g2, preferred_element_type=jnp.float32)
+    scaled_b = (scale * b.astype(jnp.float32)).astype(dtype)  # [r, out]
+    dxa = jnp.dot(g2, scaled_b.T, preferred_element_type=jnp.float32).astype(dtype)  # [T, r]
     da = jnp.dot(x2.T, dxa, preferred_element_type=jnp.float32)  # [in, r]
     dx = jnp.dot(dxa, a.astype(dtype).T, preferred_element_type=jnp.float32)  # [T, in]
     return dx.reshape(x.shape).astype(dtype), da.astype(a.dtype), db.astype(b.dtype)

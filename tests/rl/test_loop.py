@@ -20,7 +20,8 @@ def test_reference_phase_waits_for_its_result():
             return self
 
     session = types.SimpleNamespace(cfg=from_dict({"grpo": {"beta": 0.04}}),
-                                    reference_logprobs=lambda *args: Unfinished())
+                                    reference_logprobs=lambda *args: Unfinished(),
+                                    share=lambda rollout: 1)
     rollout = helpers.rollout(0)
     rollout.ref_logp = None
     phases = _Phases()

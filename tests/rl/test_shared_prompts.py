@@ -61,7 +61,7 @@ def test_prefix_hidden_states_are_the_rows_hidden_states(model):
         prefix_hidden_states(params, tokens, positions, spec, prefix=P, share=5)
 
 
-@pytest.mark.parametrize("remat", ["none", "dots", "full"])
+@pytest.mark.parametrize("remat", ["none", "full"])
 def test_shared_prompts_give_the_same_logprobs_entropies_and_gradients(model, remat):
     spec, params, lora = model
     tokens, positions, mask, done = _rows()

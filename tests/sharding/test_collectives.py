@@ -24,7 +24,9 @@ SPEC = spec_from_hf_config({
     "model_type": "qwen3", "vocab_size": 4096, "hidden_size": 64, "intermediate_size": 128,
     "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 16,
     "rms_norm_eps": 1e-6, "max_position_embeddings": 256, "eos_token_id": 2})
-ROWS, WIDTH = 8, 16 + 8  # the step's rows and tokens: the prompt bucket plus the new tokens
+ROWS, GROUP, PROMPT, NEW = 8, 2, 16, 8  # the step's rows, G, the prompt bucket, new tokens
+# hidden states [rows, tokens, ...] in the step: a group's prompt once, each row's completion
+STEP_ACTIVATIONS = {(ROWS // GROUP, PROMPT), (ROWS, NEW)}
 KERNELS = {d.shape[1:] for p, d in declare(SPEC).items()
            if p.startswith("layers/") and p.endswith("/kernel")}
 MESHES = {"fsdp": (1, 8, 1), "tensor": (1, 1, 8)}
@@ -36,7 +38,8 @@ def _programs(mesh: str) -> dict[str, Program]:
     cfg = load_config(None, [
         "model.dtype=bfloat16", "quant.mode=nf4", "quant.block_size=16", "quant.double_quant=true",
         "quant.dequantize=per_layer", "lora.rank=4", "data.prompts_per_step=4",
-        "grpo.num_generations=2", "data.max_prompt_tokens=16", "sampling.max_new_tokens=8",
+        f"grpo.num_generations={GROUP}", f"data.max_prompt_tokens={PROMPT}",
+        f"sampling.max_new_tokens={NEW}",
         f"mesh.data={data}", f"mesh.fsdp={fsdp}", f"mesh.tensor={tensor}"])
     rules = MeshRules(make_mesh(cfg.mesh))
     run = abstract_run(cfg, SPEC, rules)
@@ -54,9 +57,9 @@ def _arrays(move):
 
 def _activations(moves, kind: str):
     """The arrays of `kind` collectives shaped like the step's hidden states or larger per
-    token: [ROWS, WIDTH, ...] with at least the hidden size per token (not LoRA's rank)."""
+    token: STEP_ACTIVATIONS with at least the hidden size per token (not LoRA's rank)."""
     return [(d, shape) for m in moves if m.opcode.removesuffix("-start") == kind
-            for d, shape in _arrays(m) if shape[:2] == (ROWS, WIDTH)
+            for d, shape in _arrays(m) if shape[:2] in STEP_ACTIVATIONS
             and d in ("bf16", "f32") and math.prod(shape[2:]) >= SPEC.hidden_size]
 
 
