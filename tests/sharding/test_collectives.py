@@ -56,9 +56,12 @@ def _arrays(move):
 
 
 def _activations(moves, kind: str):
-    """The arrays of `kind` collectives shaped like the step's hidden states or larger per
-    token: STEP_ACTIVATIONS with at least the hidden size per token (not LoRA's rank)."""
+    """The arrays of `kind` collectives shaped like the layers' hidden states or larger per
+    token: STEP_ACTIVATIONS with at least the hidden size per token (not LoRA's rank). The LM
+    head's own (its input gradient, [ROWS, NEW, E] too, summed over the vocab split in the
+    head's float32) are not the layers'."""
     return [(d, shape) for m in moves if m.opcode.removesuffix("-start") == kind
+            and not re.search(r"e,[ev]{2}->\.\.\.v", m.op_name)
             for d, shape in _arrays(m) if shape[:2] in STEP_ACTIVATIONS
             and d in ("bf16", "f32") and math.prod(shape[2:]) >= SPEC.hidden_size]
 
