@@ -8,8 +8,9 @@ completions of exactly N new tokens (EOS ignored: `jaxrl bench` ignores it, TRL 
 rollout, no vLLM. TRL: arithmetic records under a short system line as chat prompts (58
 tokens), a trivial reward (distinct characters), fp32 (its default bf16 autocast is slower on
 a CPU) and its other defaults (gradient checkpointing on, torch's threads). jaxrl: `jaxrl bench
-step` on the quickstart config with this setup, bf16 base weights (quant.mode none), random
-prompts as long as the longest chat prompt, and each --remat policy.
+step` on the quickstart config with this setup, base weights unquantized (quant.mode none) in
+each of --dtypes (bfloat16, its default, and float32, TRL's precision here), random prompts as
+long as the longest chat prompt, and each --remat policy.
 
 A TRL process trains 1 + --steps steps; a step runs from its `on_step_begin` to its
 `on_step_end`, its sampling is `_generate` and its reference phase the rest of
@@ -19,6 +20,7 @@ step; speed-up = TRL / jaxrl within a round.
 
     python tools/bench_grpo_step.py --trl-python /tmp/trlvenv/bin/python   # TRL in its venv
     python tools/bench_grpo_step.py --remat auto,full --rounds 3
+    python tools/bench_grpo_step.py --dtypes bfloat16,float32 --remat none
 """
 from __future__ import annotations
 
@@ -43,6 +45,8 @@ def _args():
     parser.add_argument("--rounds", type=int, default=2, help="rounds of alternation (2)")
     parser.add_argument("--remat", default="auto", help="jaxrl optim.remat policies, "
                         "comma-separated (auto)")
+    parser.add_argument("--dtypes", default="bfloat16", help="jaxrl model.dtype values, "
+                        "comma-separated (bfloat16)")
     parser.add_argument("--trl-python", default=sys.executable,
                         help="the Python of an environment with trl, peft and datasets")
     parser.add_argument("--trl-precision", default="fp32", choices=("fp32", "bf16"),
@@ -120,10 +124,10 @@ def _prompts(model: str) -> tuple[str, list[str], int]:
     return str(model_dir), texts, max(len(text_ids(tokenizer, t)) for t in texts)
 
 
-def _jaxrl_worker(args, policy: str, prompt_tokens: int):
+def _jaxrl_worker(args, dtype: str, policy: str, prompt_tokens: int):
     from peers import jaxrl_bench
 
-    overrides = [f"model.path={args.model}", "model.dtype=bfloat16", "quant.mode=none",
+    overrides = [f"model.path={args.model}", f"model.dtype={dtype}", "quant.mode=none",
                  f"lora.rank={RANK}", f"lora.alpha={ALPHA}", f"data.prompts_per_step={PROMPTS}",
                  f"grpo.num_generations={GROUP}", f"grpo.beta={BETA}", "grpo.epsilon_high=0.2",
                  "sampling.temperature=1.0", f"sampling.max_new_tokens={args.new_tokens}",
@@ -150,31 +154,33 @@ def main() -> None:
                "steps": args.steps, "precision": args.trl_precision}, spec)
     spec.close()
     workers = {"TRL": lambda out: [args.trl_python, __file__, "trl", spec.name, out]}
-    policies = args.remat.split(",")
-    for policy in policies:
-        workers[f"jaxrl remat {policy}"] = _jaxrl_worker(args, policy, prompt_tokens)
+    variants = [f"{dtype} remat {policy}" for dtype in args.dtypes.split(",")
+                for policy in args.remat.split(",")]
+    for name in variants:
+        dtype, _, policy = name.split()
+        workers[f"jaxrl {name}"] = _jaxrl_worker(args, dtype, policy, prompt_tokens)
     print(f"{model_dir}: {PROMPTS} prompts x G {GROUP}, prompt {prompt_tokens} tokens, "
           f"{args.new_tokens} new tokens; {args.rounds} rounds", flush=True)
     rounds = alternate(workers, args.rounds)
     header = ["round", f"TRL {args.trl_precision}"]
-    for policy in policies:
-        header += [f"jaxrl remat {policy}", "speed-up"]
+    for variant in variants:
+        header += [f"jaxrl {variant}", "speed-up"]
     lines = ["| " + " | ".join(header + ["load"]) + " |", "|" + " ---: |" * (len(header) + 1)]
-    ratios = {p: [] for p in policies}
+    ratios = {p: [] for p in variants}
     for i, r in enumerate(rounds, 1):
         trl = _median_phases(r["TRL"]["rows"][0]["steps"])
         cells = [str(i), _cell(trl)]
-        for policy in policies:
-            row = r[f"jaxrl remat {policy}"]["rows"][0]
+        for variant in variants:
+            row = r[f"jaxrl {variant}"]["rows"][0]
             mine = {**row["median_s"]}
-            ratios[policy].append(trl["step"] / mine["step"])
-            cells += [f"{_cell(mine)} [{row['remat']}]", f"{ratios[policy][-1]:.2f}x"]
+            ratios[variant].append(trl["step"] / mine["step"])
+            cells += [f"{_cell(mine)} [{row['remat']}]", f"{ratios[variant][-1]:.2f}x"]
         lines.append("| " + " | ".join(cells + [load_range([r])]) + " |")
     print("\nseconds per step, median of each process's timed steps (rollout + reference + "
           "update); [the remat policy the step ran]; load: 1-minute load average range\n")
     print("\n".join(lines))
-    for policy, values in ratios.items():
-        print(f"jaxrl remat {policy}: speed-up {min(values):.2f}x-{max(values):.2f}x over "
+    for variant, values in ratios.items():
+        print(f"jaxrl {variant}: speed-up {min(values):.2f}x-{max(values):.2f}x over "
               f"{len(values)} rounds")
 
 
