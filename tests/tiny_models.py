@@ -73,3 +73,19 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
                              min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+def tiny_llama_with_lora(rank: int = 4, alpha: float = 8.0):
+    """(spec, params, lora) of the tiny llama (random, std 0.2) with a rank-`rank` adapter whose
+    weights are all shifted by 0.05, so that B is not zero and the adapter changes the model."""
+    import jax
+
+    from jaxrl.lora.lora import init_lora
+    from jaxrl.model.families import spec_from_hf_config
+    from jaxrl.model.params import init_params
+
+    spec = spec_from_hf_config(hf_config("llama").to_dict())
+    params = init_params(spec, jax.random.PRNGKey(0), std=0.2)
+    lora = init_lora(spec, jax.random.PRNGKey(1), rank=rank, alpha=alpha)
+    return spec, params, lora.replace(
+        weights=jax.tree_util.tree_map(lambda x: x + 0.05, lora.weights))

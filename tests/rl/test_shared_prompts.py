@@ -8,9 +8,6 @@ import numpy as np
 import pytest
 
 from jaxrl.config import GrpoConfig, load_config
-from jaxrl.lora.lora import init_lora
-from jaxrl.model.families import spec_from_hf_config
-from jaxrl.model.params import init_params
 from jaxrl.model.transformer import hidden_states, positions_from_mask, prefix_hidden_states
 from jaxrl.rl.logprobs import token_logprobs
 from jaxrl.rl.losses import token_weights
@@ -19,7 +16,7 @@ from jaxrl.rl.session import prompt_share_limit
 from jaxrl.rl.train_step import Batch, StepOptions, accumulate_grads, compile_reference
 from jaxrl.sampling.buckets import left_pad
 from jaxrl.sampling.sampler import SampleOutput
-from tests.tiny_models import hf_config
+from tests.tiny_models import tiny_llama_with_lora
 
 G, P, N = 4, 16, 12
 PROMPTS = (5, 16, 9)  # prompt lengths (left-padded to P), each prompt G rows
@@ -27,11 +24,7 @@ PROMPTS = (5, 16, 9)  # prompt lengths (left-padded to P), each prompt G rows
 
 @pytest.fixture(scope="module")
 def model():
-    spec = spec_from_hf_config(hf_config("llama").to_dict())
-    params = init_params(spec, jax.random.PRNGKey(0), std=0.2)
-    lora = init_lora(spec, jax.random.PRNGKey(1), rank=4, alpha=8)
-    lora = lora.replace(weights=jax.tree_util.tree_map(lambda x: x + 0.05, lora.weights))
-    return spec, params, lora
+    return tiny_llama_with_lora()
 
 
 def _rows(seed: int = 0):

@@ -6,22 +6,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl.lora.lora import init_lora
-from jaxrl.model.families import spec_from_hf_config
-from jaxrl.model.params import init_params
 from jaxrl.rl.logprobs import token_logprobs
 from jaxrl.sft.step import SftBatch, SftOptions, loss_weights, sft_loss, sum_over_micro_batches
-from tests.tiny_models import hf_config
+from tests.tiny_models import tiny_llama_with_lora
 
 T = 12
 
 
 @pytest.fixture(scope="module")
 def setup():
-    spec = spec_from_hf_config(hf_config("llama").to_dict())
-    params = init_params(spec, jax.random.PRNGKey(0), std=0.2)
-    lora = init_lora(spec, jax.random.PRNGKey(1), rank=4, alpha=8)
-    lora = lora.replace(weights=jax.tree_util.tree_map(lambda x: x + 0.05, lora.weights))
+    spec, params, lora = tiny_llama_with_lora()
     rng = np.random.RandomState(0)
     tokens = rng.randint(3, 128, (4, T)).astype(np.int32)
     attn = np.ones((4, T), bool)
