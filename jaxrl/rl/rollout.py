@@ -28,6 +28,8 @@ class Rollout:
     prompts: list[str]  # [B] rendered chat prompts
     out: SampleOutput
     ref_logp: jax.Array | None = None  # [B, columns[1]]
+    _shares: dict[int, int] = dataclasses.field(  # limit -> `share`; a replaced copy starts
+        default_factory=dict, init=False, repr=False, compare=False)  # empty
 
     @functools.cached_property
     def columns(self) -> tuple[int, int]:
@@ -50,7 +52,13 @@ class Rollout:
         """The most consecutive rows, a divisor of `limit`, that hold the same prompt in every
         block of them (a group's G rows do), agreed across processes (their greatest common
         divisor): the reference pass and the update then run each block's prompt once
-        (`jaxrl.rl.train_step.Batch.share`). 1 where rows' prompts differ."""
+        (`jaxrl.rl.train_step.Batch.share`). 1 where rows' prompts differ. Found once per
+        limit: the reference pass and the update ask alike."""
+        if limit not in self._shares:
+            self._shares[limit] = self._find_share(limit)
+        return self._shares[limit]
+
+    def _find_share(self, limit: int) -> int:
         tokens, mask = self.out.prompt_tokens, np.asarray(self.out.prompt_mask, bool)
         tokens, rows = np.where(mask, tokens, -1), len(tokens)  # pad ids do not matter
         found = 1

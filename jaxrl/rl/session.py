@@ -163,7 +163,7 @@ class Session:
         return text_ids(self.tokenizer, text)
 
     @functools.cached_property
-    def _reference_fns(self) -> dict[int, Any]:
+    def _reference_fns(self) -> dict[tuple[int, int], Any]:  # by (width, share)
         return {}
 
     def share(self, rollout: Rollout) -> int:
