@@ -94,6 +94,13 @@ def test_chunked_logprobs_by_hand():
                                  with_entropy=True)
     np.testing.assert_allclose(logp, [[np.log(0.75), np.log(0.25), np.log(0.5)]], atol=1e-6)
     np.testing.assert_allclose(ent[0, 2], np.log(2.0), atol=1e-6)  # uniform over two
+    # p = [1/4, 3/4]: -(1/4 ln 1/4 + 3/4 ln 3/4) = 0.5623351446
+    np.testing.assert_allclose(ent[0, :2], [0.5623351446, 0.5623351446], atol=1e-6)
+    # logits shifted by 1000 (exp would overflow unshifted): the same log-probs and entropies
+    far, far_ent = chunked_logprobs(h + 1000.0, jnp.array([[1, 0, 0]]), lambda x: x, chunk=2,
+                                    with_entropy=True)
+    np.testing.assert_allclose(far, logp, atol=1e-4)
+    np.testing.assert_allclose(far_ent, ent, atol=1e-4)
     hot, none = chunked_logprobs(h, jnp.array([[0, 0, 0]]), lambda x: x, temperature=2.0)
     assert none is None  # entropy only when asked for
     assert np.isclose(hot[0, 0], -np.log(1 + np.sqrt(3)), atol=1e-6)
