@@ -199,8 +199,16 @@ def admit(state: Slots, params: Params, lora: Lora | None, prompts: jax.Array,
     return state, picked, done
 
 
+# How XLA:CPU orders a decode step: its default (concurrency-optimized) schedule runs a layer's
+# weight copies and matmuls side by side, where on few cores they compete for memory; ordered
+# for memory, the decode step ran 1.3-1.4x faster on 2 cores (docs/benchmarks.md, "Where the
+# rollout's time goes"). A CPU option; other backends ignore it.
+DECODE_COMPILER_OPTIONS = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
+
+
 @functools.partial(jax.jit, donate_argnums=0,
-                   static_argnames=("spec", "eos_ids", "steps", "shardings"))
+                   static_argnames=("spec", "eos_ids", "steps", "shardings"),
+                   compiler_options=DECODE_COMPILER_OPTIONS)
 def generate(state: Slots, params: Params, lora: Lora | None, *, spec: ModelSpec,
              eos_ids: tuple[int, ...], steps: int,
              shardings: MeshRules | None = None) -> tuple[Slots, Chunk]:
