@@ -201,7 +201,7 @@ def admit(state: Slots, params: Params, lora: Lora | None, prompts: jax.Array,
 
 # How XLA:CPU orders a decode step: its default (concurrency-optimized) schedule runs a layer's
 # weight copies and matmuls side by side, where on few cores they compete for memory; ordered
-# for memory, the decode step ran 1.3-1.4x faster on 2 cores (docs/benchmarks.md, "Where the
+# for memory, the decode step ran 1.5-1.7x faster on 2 cores (docs/benchmarks.md, "Where the
 # rollout's time goes"). A CPU option; other backends ignore it.
 DECODE_COMPILER_OPTIONS = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
 
