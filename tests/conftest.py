@@ -2,7 +2,9 @@
 itself uses, shared with the `jaxrl` processes the tests start)."""
 import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+from tests.xla_flags import cpu_flags  # imports no jax
+
+os.environ.setdefault("XLA_FLAGS", cpu_flags(8))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from jaxrl.hf.default_model import cache_root  # noqa: E402  (imports no jax)

@@ -20,6 +20,7 @@ from jaxrl.hf.export import write_peft_adapter
 from jaxrl.lora.lora import init_lora
 from jaxrl.model.families import load_spec
 from tests.checkpoint.test_resume import _metrics
+from tests.xla_flags import cpu_flags
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS, ROWS = 4, 4
@@ -64,7 +65,7 @@ def _start(config: Path, run_dir: Path, logs: Path) -> list[subprocess.Popen]:
         port = s.getsockname()[1]
     procs = []
     for i in range(2):
-        env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+        env = {**os.environ, "XLA_FLAGS": cpu_flags(4),
                "JAX_PLATFORMS": "cpu", "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
                "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(i)}
         err = subprocess.PIPE if i == 0 else open(logs / f"{run_dir.name}-1.log", "a")

@@ -10,7 +10,9 @@ import os
 import sys
 
 if __name__ == "__main__":  # before jax is imported
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    from tests.xla_flags import cpu_flags
+
+    os.environ["XLA_FLAGS"] = cpu_flags(4)
     os.environ["JAX_PLATFORMS"] = "cpu"
 
 import dataclasses  # noqa: E402
