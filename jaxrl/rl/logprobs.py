@@ -37,7 +37,9 @@ def _chunk_stats(logits: jax.Array, targets: jax.Array, with_entropy: bool):
     if not with_entropy:
         return logp, None
     log_probs = logits - logz[..., None]  # [B, C, V]
-    return logp, -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1)
+    # 0 log 0 = 0: a token of probability 0 (logit -inf) adds nothing, not NaN
+    terms = jnp.exp(log_probs) * log_probs
+    return logp, -jnp.sum(terms, axis=-1, where=log_probs > -jnp.inf)
 
 
 def _check_chunking(chunk: int, temperature: float) -> None:

@@ -106,6 +106,18 @@ def test_chunked_logprobs_by_hand():
     assert np.isclose(hot[0, 0], -np.log(1 + np.sqrt(3)), atol=1e-6)
 
 
+def test_entropy_of_a_masked_vocab_entry_is_finite():
+    # logits [0, 0, -inf] (a token masked out): p = [1/2, 1/2, 0] and 0 ln 0 counts as 0, so the
+    # entropy is ln 2 = 0.6931471806, and the gradient of log p(target) stays finite
+    h = jnp.array([[[0.0, 0.0, -jnp.inf]]])
+    logp, ent = chunked_logprobs(h, jnp.array([[1]]), lambda x: x, with_entropy=True)
+    np.testing.assert_allclose(logp, [[np.log(0.5)]], atol=1e-6)
+    np.testing.assert_allclose(ent, [[0.6931471806]], atol=1e-6)
+    g = jax.grad(lambda x: chunked_logprobs(x, jnp.array([[1]]), lambda y: y,
+                                            with_entropy=True)[0].sum())(h)
+    np.testing.assert_allclose(g, [[[-0.5, 0.5, 0.0]]], atol=1e-6)
+
+
 def test_bad_arguments_are_named(tiny):
     spec, params, _, tokens, pos, mask = tiny
     with pytest.raises(ValueError, match="temperature must be > 0"):
