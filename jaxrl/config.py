@@ -172,7 +172,7 @@ class OptimConfig(_Group):
     micro_batch_size: int = _setting(0, ge=0)  # 0 = whole batch
     # what the update's backward pass recomputes of the forward (jaxrl/rl/remat.py): none saves
     # every layer's intermediates, dots each projection's output, full only each layer's input; auto
-    # takes the least recomputation whose compiled step fits the device's memory
+    # takes dots, else full, whichever first has a compiled step that fits the device's memory
     remat: str = _setting("auto", choices=REMAT_CHOICES)
 
 

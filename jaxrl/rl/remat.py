@@ -7,12 +7,19 @@ activations and the LoRA products (and the LM head chunks); full saves only each
 and recomputes the whole forward pass. Less recomputation costs memory: none holds every
 layer's activations at once.
 
-`auto` compiles the step with none and takes it when the compiled program fits the device: its
-peak (arguments + outputs - donated buffers + temporaries, from XLA's memory analysis, the
-figures `jaxrl plan` reports) within the device's memory (`jaxrl.devices.device_memory`: the
-reported limit, the chip's HBM, or on a CPU the memory available when the step is compiled);
-otherwise dots, then full. When none fits, full runs (its figures are the smallest). A program
-the compiler refuses for lack of memory counts as not fitting.
+`auto` tries dots, then full (AUTO_ORDER), and takes the first whose compiled program fits the
+device: its peak (arguments + outputs - donated buffers + temporaries, from XLA's memory
+analysis, the figures `jaxrl plan` reports) within the device's memory
+(`jaxrl.devices.device_memory`: the reported limit, the chip's HBM, or on a CPU the memory
+available when the step is compiled). When neither fits, full runs (its figures are the
+smallest). A program the compiler refuses for lack of memory counts as not fitting.
+
+none is never chosen by auto (ask for it by name): dots recomputes no matmul, only elementwise
+work that XLA fuses into the backward's loops, while none makes the layer scan keep a stacked
+[layers, ...] buffer for every intermediate, each filled, written per layer and read back. On
+the quickstart that traffic cost more than the recomputation: update 17.0 s under none against
+12.9 s under dots and 13.0 s under full, at 5.9, 2.6 and 1.5 GiB (docs/benchmarks.md,
+Recomputation).
 """
 from __future__ import annotations
 
@@ -26,14 +33,15 @@ from jaxrl.devices import compiled_peak, device_memory
 from jaxrl.rl.train_step import compile_train_step
 
 POLICIES = ("none", "dots", "full")
+AUTO_ORDER = ("dots", "full")  # what auto tries, in turn
 
 
 def choose(lower: Callable[[str], Any], capacity: int | None) -> tuple[str, Any]:
-    """(policy, compiled program): the first of POLICIES whose program `lower(policy)` (a
+    """(policy, compiled program): the first of AUTO_ORDER whose program `lower(policy)` (a
     jax Lowered) compiles within `capacity` bytes per device (None: no limit known), else
     full's."""
-    for policy in POLICIES:
-        last = policy == POLICIES[-1]
+    for policy in AUTO_ORDER:
+        last = policy == AUTO_ORDER[-1]
         try:
             compiled = lower(policy).compile()
         except jax.errors.JaxRuntimeError as e:
@@ -58,7 +66,7 @@ class AutoRematStep:
 
     def __init__(self, spec, optimizer, opts, shardings=None):
         self._steps = {p: compile_train_step(spec, optimizer, dataclasses.replace(opts, remat=p),
-                                             shardings) for p in POLICIES}
+                                             shardings) for p in AUTO_ORDER}
         devices = (jax.local_devices() if shardings is None
                    else list(jax.tree_util.tree_leaves(shardings)[0].device_set))
         self._capacity = device_memory(devices)[0]
