@@ -12,7 +12,9 @@ device: its peak (arguments + outputs - donated buffers + temporaries, from XLA'
 analysis, the figures `jaxrl plan` reports) within the device's memory
 (`jaxrl.devices.device_memory`: the reported limit, the chip's HBM, or on a CPU the memory
 available when the step is compiled). When neither fits, full runs (its figures are the
-smallest). A program the compiler refuses for lack of memory counts as not fitting.
+smallest). A program the compiler refuses for lack of memory counts as not fitting. With several
+processes, each picks by its own devices' memory and all then run the policy that recomputes
+most among their picks, so that every process runs the same program.
 
 none is never chosen by auto (ask for it by name): dots recomputes no matmul, only elementwise
 work that XLA fuses into the backward's loops, while none makes the layer scan keep a stacked
@@ -29,6 +31,7 @@ from typing import Any
 
 import jax
 
+from jaxrl import distributed
 from jaxrl.devices import compiled_peak, device_memory
 from jaxrl.rl.train_step import compile_train_step
 
@@ -76,8 +79,11 @@ class AutoRematStep:
     def __call__(self, state, params, batch):
         key = _signature(batch)
         if key not in self.compiled:
-            policy, compiled = choose(lambda p: self._steps[p].lower(state, params, batch),
-                                      self._capacity)
+            lower = lambda p: self._steps[p].lower(state, params, batch)  # noqa: E731
+            policy, compiled = choose(lower, self._capacity)
+            agreed = AUTO_ORDER[distributed.host_max(AUTO_ORDER.index(policy))]
+            if agreed != policy:  # another process's memory holds less
+                policy, compiled = agreed, lower(agreed).compile()
             self.compiled[key], self.policies[key] = compiled, policy
         return self.compiled[key](state, params, batch)
 

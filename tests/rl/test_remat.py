@@ -7,6 +7,7 @@ import jax
 import numpy as np
 import pytest
 
+from jaxrl import distributed
 from jaxrl.config import GrpoConfig, OptimConfig, load_config
 from jaxrl.lora.lora import init_lora
 from jaxrl.rl.remat import AUTO_ORDER, POLICIES, AutoRematStep, choose
@@ -95,6 +96,23 @@ def test_auto_saves_the_projections_where_memory_allows(setup):  # noqa: F811
         np.testing.assert_allclose(metrics["auto"][key], metrics["dots"][key], rtol=1e-6)
     # this machine's memory holds the tiny step many times over
     assert list(steps["auto"].policies.values()) == ["dots"]
+
+
+def test_auto_runs_the_policy_of_the_process_with_least_memory(setup, monkeypatch):  # noqa: F811
+    """Every process must run the same program: one whose memory holds only full makes all run
+    full, though this one's holds dots."""
+    spec, params, batch = setup
+    optimizer, _ = make_optimizer(OptimConfig(lr=1e-2), total_steps=10)
+    asked = []
+    monkeypatch.setattr(distributed, "host_max",
+                        lambda v: asked.append(v) or AUTO_ORDER.index("full"))
+    step = compile_train_step(spec, optimizer, _options("auto"))
+    metrics = step(init_train_state(_lora(spec), optimizer), params, batch)[1]
+    assert asked == [AUTO_ORDER.index("dots")]  # what this process would have taken
+    assert list(step.policies.values()) == ["full"]
+    want = compile_train_step(spec, optimizer, _options("full"))(
+        init_train_state(_lora(spec), optimizer), params, batch)[1]
+    np.testing.assert_allclose(metrics["loss"], want["loss"], rtol=1e-6)
 
 
 def test_step_options_carry_the_configured_policy():
