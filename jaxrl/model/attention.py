@@ -58,7 +58,8 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *,
-           cache: tuple[jax.Array, jax.Array] | None = None, keys_transposed: bool = False,
+           cache: tuple[jax.Array, jax.Array] | None = None,
+           prefix: tuple[jax.Array, jax.Array] | None = None, keys_transposed: bool = False,
            query_block: int = QUERY_BLOCK) -> jax.Array:
     """Softmax attention. q [B, T, H, D], k and v [B, K, S, D] (k [B, K, D, S] when
     keys_transposed), mask [B, T, S] (True = may attend). Returns [B, T, H*D]. More than
@@ -66,8 +67,11 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *,
 
     cache: keys and values [B, K, C, D] of earlier tokens, attended where they lie (no copy
     joins them to k and v): the keys are then the C cache slots followed by k's S, and mask is
-    [B, T, C + S]."""
-    parts = ([] if cache is None else [(*cache, False)]) + [(k, v, keys_transposed)]
+    [B, T, C + S]. prefix: keys and values [B / R, K, P, D] before those, each shared by a
+    block of R consecutive rows (a GRPO group's prompt): the block's queries are one product
+    against them, so each block reads them once; mask is then [B, T, P + C + S]."""
+    parts = [] if prefix is None else [(*prefix, False)]
+    parts += ([] if cache is None else [(*cache, False)]) + [(k, v, keys_transposed)]
     if q.shape[1] <= query_block:
         return _attend(q, parts, mask)
     return _attend_blocks(q, parts, mask, query_block)
@@ -101,9 +105,29 @@ def _softmax_parts(scores: list[jax.Array]) -> list[jax.Array]:
     return [e / total for e in exps]
 
 
+def _blocks(x: jax.Array, share: int) -> jax.Array:
+    """x [B, K, M, ...] as [B / R, K, R * M, ...]: the M rows of R consecutive batch rows as
+    one matrix per block (R = share)."""
+    if share == 1:
+        return x
+    (b, kv, m), rest = x.shape[:3], x.shape[3:]
+    x = x.reshape(b // share, share, kv, m, *rest).swapaxes(1, 2)
+    return x.reshape(b // share, kv, share * m, *rest)
+
+
+def _unblocks(x: jax.Array, share: int) -> jax.Array:
+    """The inverse of `_blocks`: [B / R, K, R * M, ...] -> [B, K, M, ...]."""
+    if share == 1:
+        return x
+    (n, kv, rm), rest = x.shape[:3], x.shape[3:]
+    x = x.reshape(n, kv, share, rm // share, *rest).swapaxes(1, 2)
+    return x.reshape(n * share, kv, rm // share, *rest)
+
+
 def _attend(q: jax.Array, parts, mask: jax.Array) -> jax.Array:
     """`attend` in one pass over all T queries; parts: (k, v, keys_transposed) of consecutive
-    key ranges (the cache's, then the call's own), each read in place.
+    key ranges (a shared prefix's, the cache's, then the call's own), each read in place; a
+    part with fewer rows than q is shared by blocks of consecutive rows (`_blocks`).
 
     The G query heads of a kv head and the T tokens form one matrix of M = T*G rows, so each
     (b, k) pair is a single [M, D] x [D, S] product; with T and G as separate dims XLA's CPU
@@ -117,15 +141,17 @@ def _attend(q: jax.Array, parts, mask: jax.Array) -> jax.Array:
     q = q.reshape(b, t, kv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, kv, t * g, d)  # [B,K,M,D]
     scores, start = [], 0
     for k, v, tr in parts:  # each part's scores [B, K, T, G, S_part], masked
-        width = v.shape[2]
-        part = jnp.einsum(f"bkmd,{'bkds' if tr else 'bksd'}->bkms", q, k,
+        width, share = v.shape[2], b // v.shape[0]
+        part = jnp.einsum(f"bkmd,{'bkds' if tr else 'bksd'}->bkms", _blocks(q, share), k,
                           preferred_element_type=jnp.float32)
-        part = part.reshape(b, kv, t, g, width) * (d ** -0.5)
+        part = _unblocks(part, share).reshape(b, kv, t, g, width) * (d ** -0.5)
         scores.append(jnp.where(mask[:, None, :, None, start:start + width], part, _MASKED))
         start += width
     out = 0.0
     for (_, v, _), probs in zip(parts, _softmax_parts(scores)):
-        probs = probs.astype(q.dtype).reshape(b, kv, t * g, -1)
-        out = out + jnp.einsum("bkms,bksd->bkmd", probs, v, preferred_element_type=jnp.float32)
+        share = b // v.shape[0]
+        probs = _blocks(probs.astype(q.dtype).reshape(b, kv, t * g, -1), share)
+        out = out + _unblocks(jnp.einsum("bkms,bksd->bkmd", probs, v,
+                                         preferred_element_type=jnp.float32), share)
     out = out.reshape(b, kv, t, g, d).transpose(0, 2, 1, 3, 4)  # [B, T, K, G, D]
     return out.reshape(b, t, h * d).astype(q.dtype)

@@ -127,14 +127,16 @@ def _attention(mask: jax.Array, keep: bool = False):
     return attention
 
 
-def _cached_attention(mask: jax.Array, layer_k: jax.Array, layer_v: jax.Array):
+def _cached_attention(mask: jax.Array, layer_k: jax.Array, layer_v: jax.Array,
+                      prefix: tuple[jax.Array, jax.Array] | None = None):
     """Attention over one layer's cache slots [B, K, S, D], read in place, then this call's own
-    keys and values [B, T, K, D]; mask [B, T, S + T]. The cache is only read here: the new keys
-    and values are returned, and `hidden_states` writes all layers' into the cache after the
-    scan, so the layer loop neither carries nor rewrites the cache."""
+    keys and values [B, T, K, D]; mask [B, T, S + T]. prefix: keys and values [B / R, K, P, D]
+    that blocks of R rows share, before the cache (mask [B, T, P + S + T]). The caches are only
+    read here: the new keys and values are returned, and `hidden_states` writes all layers'
+    into the cache after the scan, so the layer loop neither carries nor rewrites the cache."""
     def attention(q, k, v):
         new_k, new_v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, D]
-        return attend(q, new_k, new_v, mask, cache=(layer_k, layer_v)), (k, v)
+        return attend(q, new_k, new_v, mask, cache=(layer_k, layer_v), prefix=prefix), (k, v)
     return attention
 
 
@@ -153,7 +155,8 @@ def cached_mask(attn_mask: jax.Array, t: int, start: jax.Array) -> jax.Array:
 
 def hidden_states(params: Params, tokens: jax.Array, positions: jax.Array, spec: ModelSpec, *,
                   attn_mask: jax.Array | None = None, cache: KVCache | None = None,
-                  lora: Lora | None = None, rng: jax.Array | None = None, remat: str = "none",
+                  prefix: KVCache | None = None, lora: Lora | None = None,
+                  rng: jax.Array | None = None, remat: str = "none",
                   shardings: MeshRules | None = None):
     """Final-normed hidden states [B, T, E] and the updated cache (None without one).
 
@@ -166,6 +169,9 @@ def hidden_states(params: Params, tokens: jax.Array, positions: jax.Array, spec:
     new tokens attend causally to its filled slots [0, cache.index[b]) and to each other, then
     are written at slots [cache.index[b], cache.index[b] + T) (`write_tokens`): the layer scan
     reads each layer's cache as a scanned input and never carries the cache.
+    prefix (only with a cache): keys and values [L, B / R, K, P, D] before every row's cache,
+    each shared by a block of R consecutive rows (their prompt, filled to prefix.index), read
+    once per block; it is only read, and positions are the caller's (after the prefix).
     shardings: the mesh the arrays lie on (None: one device, or let the partitioner choose).
     A call with more than one token per row gathers each layer's weights over the FSDP axes
     inside the loop (`jaxrl.sharding.layer_weights`); a decode step (one token per row) leaves
@@ -178,6 +184,11 @@ def hidden_states(params: Params, tokens: jax.Array, positions: jax.Array, spec:
         mask = attention_mask(attn_mask, t, jnp.zeros((b,), jnp.int32))
     else:
         mask = cached_mask(attn_mask, t, cache.index)
+    if prefix is not None:  # the block's prompt columns, before the row's own
+        filled = jnp.repeat(prefix.index, b // prefix.index.shape[0])  # [B]
+        seen = jnp.arange(prefix.max_len) < filled[:, None]  # [B, P]
+        mask = jnp.concatenate([jnp.broadcast_to(seen[:, None], (b, t, prefix.max_len)), mask],
+                               axis=2)
     rope = rope_tables(positions, spec)
     many = shardings if t > 1 else None  # the layout of a call with many tokens per row
     h = split_rows(many, embed(params["embed_tokens"]["embedding"], tokens))  # [B, T, E]
@@ -186,13 +197,16 @@ def hidden_states(params: Params, tokens: jax.Array, positions: jax.Array, spec:
         lp, ll, key, kv = xs
         lp, ll = layer_weights(many, lp, ll, spec)
         h = split_rows(many, h)
-        attention = _attention(mask) if kv is None else _cached_attention(mask, *kv)
+        attention = (_attention(mask) if kv is None
+                     else _cached_attention(mask, *kv[:2], prefix=kv[2:] or None))
         return decoder_layer(h, lp, projector(lp, ll, lora, key), rope, spec, attention)
 
     ll = None if lora is None else lora.weights["layers"]
     use_dropout = lora is not None and lora.dropout > 0 and rng is not None
     keys = jax.random.split(rng, spec.num_layers) if use_dropout else None
     kv = None if cache is None else (cache.k, cache.v)
+    if prefix is not None:
+        kv += (prefix.k, prefix.v)
     policy = REMAT_POLICIES[remat]
     body = layer if policy is None else jax.checkpoint(layer, policy=policy)
     h, new = jax.lax.scan(body, h, (params["layers"], ll, keys, kv))

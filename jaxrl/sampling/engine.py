@@ -13,11 +13,19 @@ prompt holds and how often it generated each (`History`, [S, V] each). A slot's 
 drawn with fold_in(key, t) under its own settings, so a request decodes the same tokens
 whatever slot it lands in and whatever decodes beside it.
 
+Shared prompts. An engine made with share R > 1 groups its slots in blocks of R consecutive
+slots that decode R requests of one prompt (a GRPO group, `Engine.submit_group`). The block
+holds the prompt's keys and values once, in a prefix cache [L, S / R, K, P, D] beside the
+slots' own caches [L, S, K, C - P, D] (a slot's t-th new token in its own column t), and each
+decode step's attention reads it once for the block: the R rows' queries form one product
+against it. Requests in blocks are admitted and freed a block at a time and cannot be held
+for continuations.
+
 Programs (jitted; static: the model spec, EOS ids, mesh and the shapes):
   admit     prefill U distinct prompts once (right-padded to P), copy row src[m]'s P cache
             columns into slot dst[m] for each of M new slots (the G completions of a prompt
-            share one prefill), and draw each new slot's first token. Padding entries name
-            slot S and are dropped.
+            share one prefill; with blocks, into the block's prefix cache once), and draw each
+            new slot's first token. Padding entries name slot S and are dropped.
   generate  advance every live slot by up to N tokens (stopping early once no slot is live)
             and return the new tokens, their log-probs and which were emitted [S, N].
   extend    continue conversations held in their slots (jaxrl/sampling/requests.py): rewind
@@ -83,6 +91,10 @@ class Slots:
     keys: jax.Array  # [S, 2] uint32
     settings: RowSettings  # [S] each
     history: History  # [S, V] each: what the penalties read
+    # With blocks of R slots sharing a prompt (module docstring): the prompts' cache
+    # [L, S / R, K, P, D], index [S / R] their lengths; `cache` then holds each slot's own
+    # tokens only, its column t the slot's t-th generated token. None: no sharing.
+    prefix: KVCache | None = None
 
 
 @struct.dataclass
@@ -114,36 +126,45 @@ def _place(params, lora, spec, shardings):
     return params, lora
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "slots", "capacity", "shardings"))
-def init_slots(params: Params, *, spec: ModelSpec, slots: int, capacity: int,
-               shardings: MeshRules | None = None) -> Slots:
-    """S empty slots of `capacity` cache columns each."""
-    cache = init_cache(spec, slots, capacity, _cache_dtype(params, shardings))
+@functools.partial(jax.jit, static_argnames=("spec", "slots", "capacity", "share",
+                                             "prompt_capacity", "shardings"))
+def init_slots(params: Params, *, spec: ModelSpec, slots: int, capacity: int, share: int = 1,
+               prompt_capacity: int = 0, shardings: MeshRules | None = None) -> Slots:
+    """S empty slots of `capacity` cache columns each; with share R > 1, in blocks of R slots
+    that share the first prompt_capacity of those columns (one prompt per block)."""
+    dtype = _cache_dtype(params, shardings)
+    prefix = None
+    if share > 1:
+        prefix = init_cache(spec, slots // share, prompt_capacity, dtype)
+        capacity -= prompt_capacity
+    cache = init_cache(spec, slots, capacity, dtype)
     zeros = lambda dtype: jnp.zeros((slots,), dtype)
     state = Slots(cache=cache, last=zeros(jnp.int32), live=zeros(bool), count=zeros(jnp.int32),
                   budget=zeros(jnp.int32), keys=jnp.zeros((slots, 2), jnp.uint32),
                   settings=jax.tree_util.tree_map(jnp.asarray,
                                                   RowSettings.of([Decoding()] * slots)),
-                  history=History.empty(slots, spec.vocab_size))
+                  history=History.empty(slots, spec.vocab_size), prefix=prefix)
     return state if shardings is None else constrain(state, _slot_shardings(shardings, state))
 
 
 def _slot_shardings(shardings: MeshRules, state: Slots) -> Slots:
     """The cache as `cache_shardings` lays it out, the history [S, V] as the logits it
     adjusts (`head_logits`), every other field split by slots."""
-    rest = row_shardings(shardings, state.replace(cache=None, history=None))
+    rest = row_shardings(shardings, state.replace(cache=None, history=None, prefix=None))
     vocab = head_rules(shardings)
     history = jax.tree_util.tree_map(lambda a: vocab.named(("batch", "vocab"), a.shape),
                                      state.history)
-    return rest.replace(cache=cache_shardings(shardings, state.cache), history=history)
+    prefix = None if state.prefix is None else cache_shardings(shardings, state.prefix)
+    return rest.replace(cache=cache_shardings(shardings, state.cache), history=history,
+                        prefix=prefix)
 
 
 def abstract_slots(params: Params, spec: ModelSpec, slots: int, capacity: int,
-                   shardings: MeshRules) -> Slots:
+                   shardings: MeshRules, share: int = 1, prompt_capacity: int = 0) -> Slots:
     """ShapeDtypeStructs of `init_slots` with their shardings, for compiling the engine's
     programs without data (`jaxrl plan`)."""
     make = functools.partial(init_slots, spec=spec, slots=slots, capacity=capacity,
-                             shardings=shardings)
+                             share=share, prompt_capacity=prompt_capacity, shardings=shardings)
     shapes = jax.eval_shape(make, params)
     return jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                                   shapes, _slot_shardings(shardings, shapes))
@@ -170,9 +191,11 @@ def admit(state: Slots, params: Params, lora: Lora | None, prompts: jax.Array,
           settings: RowSettings, budget: jax.Array, *, spec: ModelSpec,
           eos_ids: tuple[int, ...], shardings: MeshRules | None = None):
     """Prefill prompts [U, P] (right-padded; lengths [U]) and fill slots dst [M] from rows
-    src [M] with keys [M, 2], settings [M] and budgets [M] (module docstring). Returns the new
-    state and, per new slot [M], its first token with its log-probs (`Picked`) and whether the
-    slot is already done."""
+    src [M] with keys [M, 2], settings [M] and budgets [M] (module docstring). With blocks of
+    R slots sharing a prompt (state.prefix), M is a multiple of R and each R consecutive
+    entries fill one block's slots in order from one row. Returns the new state and, per new
+    slot [M], its first token with its log-probs (`Picked`) and whether the slot is already
+    done."""
     params, lora = _place(params, lora, spec, shardings)
     u, p = prompts.shape
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (u, p))
@@ -188,9 +211,18 @@ def admit(state: Slots, params: Params, lora: Lora | None, prompts: jax.Array,
     token = picked.token
     done = jnp.isin(token, jnp.asarray(eos_ids, jnp.int32)) | (budget <= 1)
     put = lambda a, x: a.at[dst].set(x, mode="drop")
-    cache = _insert_rows(state.cache, pre, src, dst)
-    cache = cache.replace(index=put(cache.index, lengths[src]))
-    state = state.replace(cache=cache, last=put(state.last, token), live=put(state.live, ~done),
+    prefix = state.prefix
+    if prefix is None:
+        cache = _insert_rows(state.cache, pre, src, dst)
+        cache = cache.replace(index=put(cache.index, lengths[src]))
+    else:  # the block's prompt once; its slots' own caches start empty
+        share = state.last.shape[0] // prefix.index.shape[0]
+        rows, blocks = src[::share], dst[::share] // share  # padding: block S / R, dropped
+        prefix = _insert_rows(prefix, pre, rows, blocks)
+        prefix = prefix.replace(index=prefix.index.at[blocks].set(lengths[rows], mode="drop"))
+        cache = state.cache.replace(index=put(state.cache.index, jnp.zeros_like(dst)))
+    state = state.replace(cache=cache, prefix=prefix, last=put(state.last, token),
+                          live=put(state.live, ~done),
                           count=put(state.count, jnp.ones_like(budget)),
                           budget=put(state.budget, budget), keys=put(state.keys, keys),
                           settings=jax.tree_util.tree_map(put, state.settings, settings),
@@ -223,8 +255,12 @@ def generate(state: Slots, params: Params, lora: Lora | None, *, spec: ModelSpec
     def step(carry):
         i, st, out = carry
         index = st.cache.index
-        h, cache = hidden_states(params, st.last[:, None], index[:, None], spec,
-                                 attn_mask=ones, cache=st.cache, lora=lora, shardings=shardings)
+        position = index
+        if st.prefix is not None:  # own columns follow the block's prompt
+            position = index + jnp.repeat(st.prefix.index, s // st.prefix.index.shape[0])
+        h, cache = hidden_states(params, st.last[:, None], position[:, None], spec,
+                                 attn_mask=ones, cache=st.cache, prefix=st.prefix, lora=lora,
+                                 shardings=shardings)
         logits = head_logits(shardings, lm_logits(params, h[:, -1], spec))  # [S, V]
         picked = next_token(_fold(st.keys, st.count), logits, st.settings, st.history, top_k)
         token, live = picked.token, st.live
@@ -272,6 +308,8 @@ def extend(state: Slots, params: Params, lora: Lora | None, tokens: jax.Array, s
     count 0 keep their state (the pass writes their cache only past their filled columns,
     which nothing reads). Returns the new state and, per slot [S], the first token with its
     log-probs (`Picked`) and whether the slot is already done."""
+    if state.prefix is not None:
+        raise ValueError("slots that share a prompt cannot be continued")
     params, lora = _place(params, lora, spec, shardings)
     s, a = tokens.shape
     on = count > 0
@@ -304,24 +342,37 @@ class Engine:
     `slots` slots of `capacity` cache columns, `chunk` steps per `generate` call.
 
     eos_ids end a request (a chat model has several); shardings: the mesh and rules that
-    params, adapter and slots are held in (None: one device; slots split over the data axes)."""
+    params, adapter and slots are held in (None: one device; slots split over the data axes).
+    share R > 1: the slots form blocks of R that decode R requests of one prompt (a GRPO
+    group), submitted together (`submit_group`); the block holds the prompt's keys and values
+    once, in the first prompt_capacity of each slot's capacity columns, and every step reads
+    them once for the R slots. Such slots are freed a block at a time and cannot be held for
+    continuations."""
 
     def __init__(self, params: Params, spec: ModelSpec, *, eos_ids: Sequence[int] = (),
                  slots: int = 16, capacity: int = 2048, chunk: int = 16,
-                 lora: Lora | None = None, shardings: MeshRules | None = None):
+                 lora: Lora | None = None, shardings: MeshRules | None = None, share: int = 1,
+                 prompt_capacity: int = 0):
         if slots < 1 or capacity < 2 or chunk < 1:
             raise ValueError(f"an engine needs slots >= 1, capacity >= 2 and chunk >= 1; got "
                              f"{slots}, {capacity}, {chunk}")
+        start, stop = distributed.local_rows(shardings, slots)
+        if share > 1 and (start % share or stop % share or not 1 <= prompt_capacity < capacity):
+            raise ValueError(f"blocks of {share} slots need this process's slots [{start}, "
+                             f"{stop}) to split into whole blocks and a prompt capacity "
+                             f"between 1 and the {capacity - 1} columns left for new tokens; "
+                             f"got prompt_capacity {prompt_capacity}")
         self.spec, self.shardings = spec, shardings
         self.slots, self.capacity, self.chunk = slots, capacity, chunk
+        self.share, self.prompt_capacity = share, (prompt_capacity if share > 1 else 0)
         self.eos_ids = tuple(int(i) for i in eos_ids)
         self.params, self.lora = params, lora
-        self.state = init_slots(params, spec=spec, slots=slots, capacity=capacity,
-                                shardings=shardings)
-        start, stop = distributed.local_rows(shardings, slots)
+        self.state = init_slots(params, spec=spec, slots=slots, capacity=capacity, share=share,
+                                prompt_capacity=self.prompt_capacity, shardings=shardings)
         self._first, self._local_slots = start, stop - start  # this process's: [start, stop)
-        self._free = deque(range(start, stop))
-        self._queue: deque[Request] = deque()
+        self._free = deque(range(start // share, stop // share))  # free blocks of share slots
+        self._busy: dict[int, int] = {}  # block -> its slots not yet freed
+        self._queue: deque[list[Request]] = deque()  # groups of `share` requests
         self._continuations: deque[Request] = deque()
         self._active: dict[int, Request] = {}
         self._held: dict[int, Request] = {}  # slot -> the finished request holding it
@@ -332,13 +383,36 @@ class Engine:
         that follows a held one is appended to that one's slot (jaxrl/sampling/requests.py)."""
         if request.follows is not None:
             return self._submit_continuation(request)
-        n = len(request.prompt)
-        if n < 1 or request.max_new_tokens < 1 or n + request.max_new_tokens > self.capacity:
-            raise ValueError(f"a request needs a prompt of >= 1 token and max_new_tokens >= 1 "
-                             f"within the engine's {self.capacity} cache columns; got a "
-                             f"{n}-token prompt and max_new_tokens {request.max_new_tokens}")
-        self._queue.append(request)
+        if self.share > 1:
+            raise ValueError(f"this engine decodes groups of {self.share} requests of one "
+                             "prompt: submit them with submit_group")
+        self.submit_group([request])
         return request
+
+    def submit_group(self, requests: Sequence[Request]) -> list[Request]:
+        """Queue `share` requests of one prompt to decode in one block of slots (with share 1:
+        one request, as `submit`)."""
+        requests = list(requests)
+        prompts = len({tuple(r.prompt) for r in requests})
+        if len(requests) != self.share or prompts != 1:
+            raise ValueError(f"a group is {self.share} requests of one prompt; got "
+                             f"{len(requests)} requests of {prompts} prompts")
+        n = len(requests[0].prompt)
+        prompt_room = self.prompt_capacity or self.capacity
+        for request in requests:
+            if (n < 1 or request.max_new_tokens < 1 or n > prompt_room
+                    or n + request.max_new_tokens > self.capacity
+                    or request.max_new_tokens > self.capacity - self.prompt_capacity):
+                raise ValueError(
+                    f"a request needs a prompt of >= 1 token and max_new_tokens >= 1 within the "
+                    f"engine's {self.capacity} cache columns (of which {self.prompt_capacity} "
+                    f"hold a shared prompt); got a {n}-token prompt and max_new_tokens "
+                    f"{request.max_new_tokens}")
+            if request.follows is not None or (request.hold and self.share > 1):
+                raise ValueError("requests decoded in blocks sharing a prompt cannot hold their "
+                                 "slots or continue a conversation")
+        self._queue.append(requests)
+        return requests
 
     def _submit_continuation(self, request: Request) -> Request:
         held = request.follows
@@ -362,7 +436,15 @@ class Engine:
             raise ValueError("release takes a finished request that holds its slot "
                              "(Request.hold = True) and has not been continued or released")
         del self._held[request.slot]
-        self._free.append(request.slot)
+        self._free_slot(request.slot)
+
+    def _free_slot(self, slot: int) -> None:
+        """A slot is free again; its block is free once all its slots are."""
+        block = slot // self.share
+        self._busy[block] -= 1
+        if not self._busy[block]:
+            del self._busy[block]
+            self._free.append(block)
 
     def busy(self) -> bool:
         """Requests wait or decode in this process."""
@@ -396,24 +478,29 @@ class Engine:
 
     def _rows(self, n: int) -> int:
         """n rounded up to a power of two that, with several processes, splits over the batch
-        shards this process holds."""
+        shards this process holds (for blocks: a count of blocks)."""
         per_process = 1
         if self.shardings is not None and jax.process_count() > 1:
             per_process = len(distributed.batch_shards(self.shardings)[jax.process_index()])
         return bucket(n, minimum=per_process)
 
     def _admit(self) -> None:
-        n = min(len(self._queue), len(self._free))
-        take = [self._queue.popleft() for _ in range(n)]
-        dst = [self._free.popleft() for _ in range(n)]
+        n = min(len(self._queue), len(self._free))  # groups into free blocks
+        share = self.share
+        take = [request for _ in range(n) for request in self._queue.popleft()]
+        blocks = [self._free.popleft() for _ in range(n)]
+        self._busy.update((block, share) for block in blocks)
+        dst = [block * share + i for block in blocks for i in range(share)]
         distinct: dict[tuple[int, ...], int] = {}
-        src = [distinct.setdefault(tuple(r.prompt), len(distinct)) for r in take]
+        src = [distinct.setdefault(tuple(q.prompt), len(distinct)) for q in take]
         m = distributed.host_max(n)
         if m == 0:
             return
         u = self._rows(distributed.host_max(len(distinct)))
         width = bucket(distributed.host_max(max((len(p) for p in distinct), default=1)))
-        m = self._rows(m)
+        if share > 1:  # the prefill's columns are the block's prompt columns
+            width = min(width, self.prompt_capacity)
+        m, n = self._rows(m) * share, n * share
         prompts, lengths = np.zeros((u, width), np.int32), np.ones((u,), np.int32)
         for row, ids in enumerate(distinct):
             prompts[row, :len(ids)], lengths[row] = ids, len(ids)
@@ -457,7 +544,7 @@ class Engine:
         if request.hold:
             self._held[request.slot] = request
         else:
-            self._free.append(request.slot)
+            self._free_slot(request.slot)
         request._finish(request.tokens[-1] in self.eos_ids)
 
     def _extend(self) -> None:

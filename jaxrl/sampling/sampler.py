@@ -2,10 +2,13 @@
 returned as padded arrays for the learner.
 
 Every prompt is queued as one request (row i with key fold_in(key, i)); repeat a prompt for a
-GRPO group and its G rows share one prefill. The engine gets a slot per row, or `cfg.slots`
-when that is fewer (rounded up to powers of two; slots are then refilled as rows finish, a
-chunk of 16 steps at a time, else the whole new-token bucket is one chunk), and a cache of the
-prompt bucket plus the new-token bucket per slot. A row finishes on any of the EOS
+GRPO group and its G rows share one prefill. Rows that come in runs of R equal consecutive
+prompts (R the greatest common divisor of the runs' lengths, G for GRPO's groups) decode in
+blocks of R slots that also share the prompt's keys and values (`Engine`'s share), so each
+decode step reads a group's prompt once instead of R times. The engine gets a slot per row,
+or `cfg.slots` when that is fewer (blocks counted in powers of two; slots are then refilled a
+block at a time as rows finish, a chunk of 16 steps at a time, else the whole new-token bucket
+is one chunk), and a cache of the prompt bucket plus the new-token bucket per slot. A row finishes on any of the EOS
 ids (chat models have several) or at `max_new_tokens`; its later columns hold the pad id, are
 masked out and carry log-prob 0. The completion mask includes the EOS token itself.
 
@@ -19,6 +22,7 @@ Stop strings are applied on the host after decoding (jaxrl/sampling/stop.py).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 
 import jax
@@ -72,6 +76,28 @@ def _apply_stop(out: SampleOutput, stop: Sequence[str],
                                finish_reasons=tuple(reasons), texts=tuple(texts))
 
 
+def _runs_gcd(prompts: Sequence[Sequence[int]]) -> int:
+    """The greatest common divisor of the lengths of the runs of equal consecutive prompts
+    (0 without prompts): every run then splits into blocks of that many rows."""
+    runs, start = [], 0
+    for i in range(1, len(prompts) + 1):
+        if i == len(prompts) or list(prompts[i]) != list(prompts[start]):
+            runs.append(i - start)
+            start = i
+    return math.gcd(*runs)
+
+
+def _slots(rows: int, limit: int, share: int, ways: int) -> int:
+    """Decode slots for `rows` rows: blocks of `share` slots, one per row or `limit` slots when
+    that is fewer, the block count rounded up to a power of two and to at least one per batch
+    shard (`ways`)."""
+    share = max(share, 1)
+    blocks = bucket(-(-rows // share), minimum=1)
+    if limit:
+        blocks = min(blocks, bucket(-(-limit // share), minimum=1))
+    return max(blocks, ways) * share
+
+
 def sample(params: Params, spec: ModelSpec, prompts: Sequence[Sequence[int]], key: jax.Array,
            cfg: SamplingConfig = SamplingConfig(), *, lora: Lora | None = None,
            eos_ids: Sequence[int] = (), detokenize: Callable[[Sequence[int]], str] | None = None,
@@ -96,18 +122,23 @@ def sample(params: Params, spec: ModelSpec, prompts: Sequence[Sequence[int]], ke
         rows = distributed.global_rows(shardings, distributed.host_max(rows))
         first = distributed.local_rows(shardings, rows)[0]
     tokens, mask = left_pad(prompts, width)
-    slots = bucket(rows, minimum=1)
-    if cfg.slots:
-        slots = min(slots, bucket(cfg.slots, minimum=1))
+    share = _runs_gcd(prompts)
     if shardings is not None:
-        slots = max(slots, shardings.batch_ways)
+        share = distributed.host_gcd(share)
+    share = max(share, 1)
+    ways = 1 if shardings is None else shardings.batch_ways
+    slots = _slots(rows, cfg.slots, share, ways)
+    if share > 1 and (slots // ways) % share:
+        share, slots = 1, _slots(rows, cfg.slots, 1, ways)  # blocks would straddle a shard
     n = cfg.max_new_tokens
     chunk = bucket(n) if slots >= rows else min(bucket(n), REFILL_CHUNK)
     engine = Engine(params, spec, eos_ids=eos_ids, slots=slots, capacity=width + bucket(n),
-                    chunk=chunk, lora=lora, shardings=shardings)
+                    chunk=chunk, lora=lora, shardings=shardings, share=share,
+                    prompt_capacity=width)
     keys = row_keys(key, range(first, first + len(prompts)))
-    requests = [engine.submit(Request(list(ids), decoding, n, keys[i]))
-                for i, ids in enumerate(prompts)]
+    requests = [Request(list(ids), decoding, n, keys[i]) for i, ids in enumerate(prompts)]
+    for i in range(0, len(requests), share):
+        engine.submit_group(requests[i:i + share])
     engine.run()
     out = SampleOutput(prompt_tokens=tokens, prompt_mask=mask,
                        tokens=np.full((len(prompts), n), eos_ids[0] if eos_ids else 0, np.int32),

@@ -137,3 +137,70 @@ def test_a_request_that_does_not_fit_is_refused(tiny):
     engine = Engine(params, spec, slots=2, capacity=32, chunk=4)
     with pytest.raises(ValueError, match="cache columns"):
         engine.submit(Request(list(range(1, 30)), max_new_tokens=8))
+
+
+def _groups(seed=0, groups=3, share=4):
+    """`groups` groups of `share` requests of one prompt each, with mixed settings and
+    budgets inside a group."""
+    keys = row_keys(jax.random.PRNGKey(seed), range(groups * share))
+    return [Request(PROMPTS[(i // share) % 5], MIXED[i % 5], max_new_tokens=BUDGETS[i % 7],
+                    key=keys[i]) for i in range(groups * share)]
+
+
+def test_blocks_sharing_a_prompt_decode_as_alone(tiny):
+    """Slots in blocks of 4 that hold their group's prompt once: each request decodes the
+    tokens and log-probs it decodes alone in an unshared slot, with 3 groups in 2 blocks (a
+    block is refilled once all 4 of its requests have finished), and one prefill per group."""
+    _, spec, params = tiny
+    together = _groups()
+    engine = Engine(params, spec, slots=8, capacity=64, chunk=4, share=4, prompt_capacity=32)
+    for i in range(0, len(together), 4):
+        engine.submit_group(together[i:i + 4])
+    engine.run()
+    assert engine.stats.prefills == 3 and engine.stats.admitted == 12
+    assert engine.state.prefix.k.shape[1:4] == (2, spec.num_kv_heads, 32)  # [L, S/4, K, P, D]
+    assert engine.state.cache.max_len == 32  # each slot's own tokens
+    assert sorted({r.slot // 4 for r in together}) == [0, 1]
+    for r, alone in zip(together, _groups()):
+        _run(params, spec, [alone], slots=1, chunk=8)
+        assert r.tokens == alone.tokens and len(r.tokens) == r.max_new_tokens
+        np.testing.assert_allclose(r.logprobs, alone.logprobs, atol=1e-5)
+
+
+def test_shared_blocks_stop_at_eos_and_match_teacher_forcing(tiny):
+    _, spec, params = tiny
+    free = _groups(seed=7, groups=2, share=2)
+    _run(params, spec, free)
+    eos = free[1].tokens[2]
+    stopped = _groups(seed=7, groups=2, share=2)
+    engine = Engine(params, spec, eos_ids=(eos,), slots=2, capacity=64, chunk=4, share=2,
+                    prompt_capacity=32)
+    for i in range(0, 4, 2):
+        engine.submit_group(stopped[i:i + 2])
+    engine.run()
+    for a, b in zip(free, stopped):
+        hits = [i for i, t in enumerate(a.tokens) if t == eos]
+        assert b.tokens == a.tokens[:hits[0] + 1 if hits else len(a.tokens)]
+        t = b.decoding.temperature or 1.0
+        want = _teacher_forced(params, spec, b.prompt, b.tokens, t)
+        np.testing.assert_allclose(b.logprobs, want, atol=1e-5, rtol=0)
+    assert stopped[1].finish_reason == "stop"
+
+
+def test_shared_blocks_refuse_what_they_cannot_hold(tiny):
+    _, spec, params = tiny
+    engine = Engine(params, spec, slots=4, capacity=32, chunk=4, share=2, prompt_capacity=16)
+    with pytest.raises(ValueError, match="submit_group"):
+        engine.submit(Request([1, 2, 3], max_new_tokens=4))
+    with pytest.raises(ValueError, match="one prompt"):
+        engine.submit_group([Request([1, 2, 3]), Request([1, 2, 4])])
+    with pytest.raises(ValueError, match="one prompt"):
+        engine.submit_group([Request([1, 2, 3])])
+    with pytest.raises(ValueError, match="cache columns"):  # a prompt past the 16 shared
+        engine.submit_group([Request(list(range(1, 20)), max_new_tokens=4)] * 2)
+    with pytest.raises(ValueError, match="cache columns"):  # new tokens past the 16 own
+        engine.submit_group([Request([1, 2, 3], max_new_tokens=20)] * 2)
+    with pytest.raises(ValueError, match="hold"):
+        engine.submit_group([Request([1, 2, 3], hold=True)] * 2)
+    with pytest.raises(ValueError, match="whole blocks"):
+        Engine(params, spec, slots=6, capacity=32, share=4, prompt_capacity=16)
