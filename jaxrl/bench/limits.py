@@ -50,14 +50,17 @@ def _per_token_flops(spec: ModelSpec, lora) -> int:
     return flops
 
 
-def decode_cost(spec: ModelSpec, params, lora, cache, slots: int, devices: int) -> Cost:
-    """One decode step of `slots` slots over `cache` (a KVCache of capacity C), per device."""
+def decode_cost(spec: ModelSpec, params, lora, cache, slots: int, devices: int,
+                prefix=None) -> Cost:
+    """One decode step of `slots` slots over `cache` (a KVCache of capacity C), per device;
+    prefix: the prompt cache that blocks of slots share (read once per block)."""
     stored = device_bytes(params)
     if not spec.tie_word_embeddings:
         stored -= device_bytes(params["embed_tokens"])
     read = stored + (0 if lora is None else device_bytes(lora.weights)) + device_bytes(
-        (cache.k, cache.v))
-    attention = 2 * 2 * spec.num_heads * spec.head_dim * cache.max_len
+        (cache.k, cache.v) if prefix is None else (cache.k, cache.v, prefix.k, prefix.v))
+    columns = cache.max_len + (0 if prefix is None else prefix.max_len)
+    attention = 2 * 2 * spec.num_heads * spec.head_dim * columns
     per_slot = spec.num_layers * (_per_token_flops(spec, lora) + attention)
     per_slot += 2 * spec.hidden_size * spec.vocab_size
     return Cost(bytes=read, flops=slots * per_slot / devices)

@@ -173,13 +173,26 @@ def abstract_run(cfg, spec, rules) -> AbstractRun:
                        rows=cfg.data.prompts_per_step * cfg.grpo.num_generations)
 
 
+def _slots(cfg, spec, rules, run: AbstractRun):
+    """The rollout engine's slots as `sample` lays them out for the run's rows (a group's G
+    slots sharing its prompt; one slot each in multi-turn rollouts), ShapeDtypeStructs."""
+    from jaxrl.sampling.buckets import bucket
+    from jaxrl.sampling.engine import abstract_slots
+    from jaxrl.sampling.sampler import slot_layout
+
+    group = 1 if cfg.data.env else cfg.grpo.num_generations
+    slots, share = slot_layout(run.rows, group, 0, rules.batch_ways)
+    return abstract_slots(run.params, spec, slots, _capacity(cfg), rules, share=share,
+                          prompt_capacity=bucket(cfg.data.max_prompt_tokens))
+
+
 def lower_sampler(cfg, spec, rules, run: AbstractRun):
     """The decode engine's `generate` (one chunk of the run's new-token bucket) lowered for a
     slot per row of the run (jaxrl/sampling/engine.py)."""
     from jaxrl.sampling.buckets import bucket
-    from jaxrl.sampling.engine import abstract_slots, generate
+    from jaxrl.sampling.engine import generate
 
-    state = abstract_slots(run.params, spec, bucket(run.rows, minimum=1), _capacity(cfg), rules)
+    state = _slots(cfg, spec, rules, run)
     return generate.lower(state, run.params, run.lora, spec=spec,
                           eos_ids=spec.eos_token_ids or (0,),
                           steps=bucket(cfg.sampling.max_new_tokens), shardings=rules)
@@ -192,11 +205,11 @@ def lower_prefill(cfg, spec, rules, run: AbstractRun):
     import jax.numpy as jnp
 
     from jaxrl.sampling.buckets import bucket
-    from jaxrl.sampling.engine import abstract_slots, admit
+    from jaxrl.sampling.engine import admit
     from jaxrl.sampling.sampling_fns import Decoding, RowSettings
 
-    slots = bucket(run.rows, minimum=1)
-    state = abstract_slots(run.params, spec, slots, _capacity(cfg), rules)
+    state = _slots(cfg, spec, rules, run)
+    slots = state.last.shape[0]
     u, p = bucket(cfg.data.prompts_per_step, minimum=1), bucket(cfg.data.max_prompt_tokens)
     sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rules.rows(shape))
     m = (slots,)

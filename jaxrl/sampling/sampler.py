@@ -87,15 +87,21 @@ def _runs_gcd(prompts: Sequence[Sequence[int]]) -> int:
     return math.gcd(*runs)
 
 
-def _slots(rows: int, limit: int, share: int, ways: int) -> int:
-    """Decode slots for `rows` rows: blocks of `share` slots, one per row or `limit` slots when
-    that is fewer, the block count rounded up to a power of two and to at least one per batch
-    shard (`ways`)."""
+def slot_layout(rows: int, share: int, limit: int = 0, ways: int = 1) -> tuple[int, int]:
+    """(slots, share) of the engine that decodes `rows` rows in runs of `share` equal prompts:
+    blocks of `share` slots, a slot per row or `limit` slots (sampling.slots) when that is
+    fewer, the block count rounded up to a power of two and to at least one block per batch
+    shard (`ways`); share falls to 1 where blocks would straddle a shard."""
+    def slots(share):
+        blocks = bucket(-(-rows // share), minimum=1)
+        if limit:
+            blocks = min(blocks, bucket(-(-limit // share), minimum=1))
+        return max(blocks, ways) * share
+
     share = max(share, 1)
-    blocks = bucket(-(-rows // share), minimum=1)
-    if limit:
-        blocks = min(blocks, bucket(-(-limit // share), minimum=1))
-    return max(blocks, ways) * share
+    if share > 1 and (slots(share) // ways) % share:
+        share = 1
+    return slots(share), share
 
 
 def sample(params: Params, spec: ModelSpec, prompts: Sequence[Sequence[int]], key: jax.Array,
@@ -125,11 +131,8 @@ def sample(params: Params, spec: ModelSpec, prompts: Sequence[Sequence[int]], ke
     share = _runs_gcd(prompts)
     if shardings is not None:
         share = distributed.host_gcd(share)
-    share = max(share, 1)
-    ways = 1 if shardings is None else shardings.batch_ways
-    slots = _slots(rows, cfg.slots, share, ways)
-    if share > 1 and (slots // ways) % share:
-        share, slots = 1, _slots(rows, cfg.slots, 1, ways)  # blocks would straddle a shard
+    slots, share = slot_layout(rows, share, cfg.slots,
+                               1 if shardings is None else shardings.batch_ways)
     n = cfg.max_new_tokens
     chunk = bucket(n) if slots >= rows else min(bucket(n), REFILL_CHUNK)
     engine = Engine(params, spec, eos_ids=eos_ids, slots=slots, capacity=width + bucket(n),

@@ -50,6 +50,14 @@ def test_decode_and_prefill_cost_by_hand():
     assert shares["bandwidth"] == 427_520 / 2 and shares["bandwidth_share"] == 0.21376
     assert shares["flops_share"] == 0.212992
     assert cost.shares(2.0, None)["bandwidth_share"] is None
+    # the same 2 slots as one block sharing a 24-column prompt, each with 8 own columns: the
+    # prompt's k and v are read once (2 layers x 1 block x 2 heads x 24 x 16 floats = 6,144
+    # bytes each) beside the own caches (2 layers x 2 slots x 2 heads x 8 x 16 floats = 4,096
+    # bytes each); the attention still covers 32 columns
+    shared = decode_cost(spec, params, lora, init_cache(spec, 2, 8), slots=2, devices=1,
+                         prefix=init_cache(spec, 1, 24))
+    assert shared.bytes == 361_984 + 32_768 + 2 * 6_144 + 2 * 4_096
+    assert shared.flops == cost.flops
     # prefill of 2 prompts of 8 columns: 2 layers x (8 tokens x 81,920 + attention 2 * 2 * 4 *
     # 16 * 8 * 8 = 16,384) + the head at the last token 32,768, per prompt
     assert prefill_cost(spec, lora, 2, 8, devices=2).flops == (2 * (8 * 81_920 + 16_384)
