@@ -127,16 +127,17 @@ def _attention(mask: jax.Array, keep: bool = False):
     return attention
 
 
-def _cached_attention(mask: jax.Array, layer_k: jax.Array, layer_v: jax.Array,
+def _cached_attention(mask: jax.Array, cache: tuple[jax.Array, jax.Array] | None,
                       prefix: tuple[jax.Array, jax.Array] | None = None):
-    """Attention over one layer's cache slots [B, K, S, D], read in place, then this call's own
-    keys and values [B, T, K, D]; mask [B, T, S + T]. prefix: keys and values [B / R, K, P, D]
-    that blocks of R rows share, before the cache (mask [B, T, P + S + T]). The caches are only
-    read here: the new keys and values are returned, and `hidden_states` writes all layers'
-    into the cache after the scan, so the layer loop neither carries nor rewrites the cache."""
+    """Attention over one layer's cache slots [B, K, S, D] (keys, values), read in place, then
+    this call's own keys and values [B, T, K, D]; mask [B, T, S + T]. prefix: keys and values
+    [B / R, K, P, D] that blocks of R rows share, before the cache (mask [B, T, P + S + T]).
+    The caches are only read here: the new keys and values are returned, and `hidden_states`
+    writes all layers' into the cache after the scan, so the layer loop neither carries nor
+    rewrites the cache."""
     def attention(q, k, v):
         new_k, new_v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, D]
-        return attend(q, new_k, new_v, mask, cache=(layer_k, layer_v), prefix=prefix), (k, v)
+        return attend(q, new_k, new_v, mask, cache=cache, prefix=prefix), (k, v)
     return attention
 
 
@@ -198,7 +199,7 @@ def hidden_states(params: Params, tokens: jax.Array, positions: jax.Array, spec:
         lp, ll = layer_weights(many, lp, ll, spec)
         h = split_rows(many, h)
         attention = (_attention(mask) if kv is None
-                     else _cached_attention(mask, *kv[:2], prefix=kv[2:] or None))
+                     else _cached_attention(mask, kv[:2], prefix=kv[2:] or None))
         return decoder_layer(h, lp, projector(lp, ll, lora, key), rope, spec, attention)
 
     ll = None if lora is None else lora.weights["layers"]
@@ -249,9 +250,8 @@ def prefix_hidden_states(params: Params, tokens: jax.Array, positions: jax.Array
         proj = projector(lp, ll, lora, None)
         hp, (k, v) = decoder_layer(split_rows(shardings, carry[0]), lp, proj, rope_p, spec,
                                    _attention(mask_p, keep=True))
-        k, v = (jnp.repeat(x, share, axis=0) for x in (k, v))  # each row its block's
         hc, _ = decoder_layer(split_rows(shardings, carry[1]), lp, proj, rope_c, spec,
-                              _cached_attention(mask_c, k, v))
+                              _cached_attention(mask_c, None, prefix=(k, v)))  # the block's
         return (hp, hc), None
 
     ll = None if lora is None else lora.weights["layers"]
