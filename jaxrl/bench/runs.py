@@ -35,17 +35,21 @@ def _timed(fn):
     return result, time.perf_counter() - start
 
 
-def _admit_inputs(subject: Subject, batch: int, prompt_tokens: int, slots: int):
-    """Arguments of `admit` filling `batch` slots from as many distinct random prompts."""
+def _admit_inputs(subject: Subject, batch: int, prompt_tokens: int, slots: int,
+                  share: int = 1):
+    """Arguments of `admit` filling `batch` slots from batch / share distinct random prompts,
+    each filling `share` consecutive slots (a block, when the slots share prompts)."""
     from jaxrl.sampling.requests import row_keys
     from jaxrl.sampling.sampling_fns import Decoding, RowSettings
 
-    m, width = bucket(batch, minimum=1), bucket(prompt_tokens)
-    prompts = np.zeros((m, width), np.int32)
-    prompts[:batch, :prompt_tokens] = random_prompts(subject.spec, [prompt_tokens] * batch)
+    distinct = batch // share
+    u, width = bucket(distinct, minimum=1), bucket(prompt_tokens)
+    m = u * share
+    prompts = np.zeros((u, width), np.int32)
+    prompts[:distinct, :prompt_tokens] = random_prompts(subject.spec, [prompt_tokens] * distinct)
+    lengths = np.asarray([prompt_tokens] * distinct + [1] * (u - distinct), np.int32)
     pad = m - batch
-    lengths = np.asarray([prompt_tokens] * batch + [1] * pad, np.int32)
-    rows = (np.asarray(list(range(batch)) + [0] * pad, np.int32),  # src
+    rows = (np.asarray([i // share for i in range(batch)] + [0] * pad, np.int32),  # src
             np.asarray(list(range(batch)) + [slots] * pad, np.int32),  # dst: pads dropped
             row_keys(jax.random.PRNGKey(subject.cfg.run.seed), range(m)),
             RowSettings.of([Decoding.from_config(subject.cfg.sampling)] * m),
@@ -54,20 +58,25 @@ def _admit_inputs(subject: Subject, batch: int, prompt_tokens: int, slots: int):
     return data if subject.rules is None else distributed.rows_to_global(subject.rules, data)
 
 
-def sample_batch(subject: Subject, batch: int, prompt_tokens: int, repeats: int, peaks) -> dict:
+def sample_batch(subject: Subject, batch: int, prompt_tokens: int, repeats: int, peaks,
+                 group: int = 1) -> dict:
     """Prefill and decode of `batch` rows through the engine's programs (`admit` of distinct
-    prompts of `prompt_tokens` tokens, then `generate` to sampling.max_new_tokens): compile
-    times, median times over `repeats` calls after a warm-up one, and their limits."""
+    prompts of `prompt_tokens` tokens, each the prompt of `group` rows, then `generate` to
+    sampling.max_new_tokens): compile times, median times over `repeats` calls after a
+    warm-up one, and their limits. Groups decode in blocks of slots sharing their prompt's
+    cache, as `sample` lays them out (group 1: every row its own prompt)."""
     from jaxrl.sampling.engine import admit, generate, init_slots
+    from jaxrl.sampling.sampler import slot_layout
 
     cfg, spec, rules = subject.cfg, subject.spec, subject.rules
     n = cfg.sampling.max_new_tokens
-    slots = max(bucket(batch, minimum=1), rules.batch_ways if rules else 1)
+    slots, share = slot_layout(batch, group, 0, rules.batch_ways if rules else 1)
     capacity = bucket(prompt_tokens) + bucket(n)
     empty = functools.partial(init_slots, subject.params, spec=spec, slots=slots,
-                              capacity=capacity, shardings=rules)
+                              capacity=capacity, share=share,
+                              prompt_capacity=bucket(prompt_tokens), shardings=rules)
     static = dict(spec=spec, eos_ids=(), shardings=rules)
-    inputs = _admit_inputs(subject, batch, prompt_tokens, slots)
+    inputs = _admit_inputs(subject, batch, prompt_tokens, slots, share)
     start = time.perf_counter()
     admit_c = admit.lower(empty(), subject.params, subject.lora, *inputs, **static).compile()
     compiled_admit = time.perf_counter()
@@ -87,15 +96,17 @@ def sample_batch(subject: Subject, batch: int, prompt_tokens: int, repeats: int,
     devices = len(rules.mesh.devices.flat) if rules else 1
     t_prefill, t_decode = statistics.median(prefill[1:]), statistics.median(decode[1:])
     step = t_decode / (n - 1)
-    return {"batch": batch, "slots": slots, "prompt_tokens": prompt_tokens, "new_tokens": n,
+    return {"batch": batch, "group": share, "slots": slots, "prompt_tokens": prompt_tokens,
+            "new_tokens": n,
             "capacity": capacity, "compile_s": compile_s,
-            "prefill_s": t_prefill, "prefill_tok_s": batch * prompt_tokens / t_prefill,
+            "prefill_s": t_prefill, "prefill_tok_s": batch // share * prompt_tokens / t_prefill,
             "decode_s": t_decode, "decode_step_ms": 1e3 * step,
             "decode_tok_s": batch * (n - 1) / t_decode, "runs_s": {"prefill": prefill[1:],
                                                                   "decode": decode[1:]},
             "decode_limits": decode_cost(spec, subject.params, subject.lora, state.cache, slots,
                                          devices, state.prefix).shares(step, peaks),
-            "prefill_limits": prefill_cost(spec, subject.lora, bucket(batch, minimum=1),
+            "prefill_limits": prefill_cost(spec, subject.lora,
+                                           bucket(batch // share, minimum=1),
                                            bucket(prompt_tokens), devices).shares(t_prefill,
                                                                                   peaks),
             "peak_bytes": {"admit": compiled_peak(admit_c),

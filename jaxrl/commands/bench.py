@@ -12,7 +12,10 @@ rows decode their full length.
           tokens, through the decode engine's programs: compile time, median seconds of
           --repeats calls, tokens/s, and for a decode step its bytes read (weights as stored,
           adapter, KV cache) and FLOPs per second as shares of the device's peak bandwidth and
-          compute; for the prefill its share of peak compute
+          compute; for the prefill its share of peak compute. --group G: the rows come in
+          groups of G sharing a prompt (GRPO's), prefilled once and decoded in blocks of G
+          slots that read the prompt's cache once per step, as a rollout decodes them
+          (default 1: every row its own prompt)
   step    seconds per GRPO step (data.prompts_per_step x grpo.num_generations rows) split into
           rollout, reference and update, each with tokens/s; the first (compiling) step apart,
           then the median of --steps; the update's optim.remat policy; with
@@ -56,6 +59,9 @@ def register(sub) -> None:
                         help="rows to decode (default: data.prompts_per_step x "
                         "grpo.num_generations)")
     sample.add_argument("--repeats", type=int, default=3, help="timed calls per batch (3)")
+    sample.add_argument("--group", type=int, default=1, metavar="G",
+                        help="rows per prompt, decoded in blocks sharing its cache as GRPO's "
+                        "groups are (1: a prompt per row)")
     step = modes.add_parser("step", parents=[common], help="seconds per GRPO step by phase")
     step.add_argument("--steps", type=int, default=3, help="timed steps after the first (3)")
     step.add_argument("--compare-remat", metavar="P,P,...",
@@ -115,7 +121,11 @@ def _check(args, cfg) -> None:
     for name in ("repeats", "steps", "requests", "mean_new_tokens"):
         _positive(f"--{name.replace('_', '-')}", getattr(args, name, None))
     if args.mode == "sample":
-        _batches(args, cfg)
+        _positive("--group", args.group)
+        for b in _batches(args, cfg):
+            if b % args.group:
+                raise UsageError(f"--batches {b} does not split into groups of --group "
+                                 f"{args.group}")
     if args.mode == "step":
         _policies(args)
     if args.mode == "sample" and cfg.sampling.max_new_tokens < 2:
@@ -147,7 +157,7 @@ def _bench(args) -> int:
             "peaks": None if peaks is None else vars(peaks)}
     print(_header(info, subject.spec))
     if args.mode == "sample":
-        rows = [runs.sample_batch(subject, b, prompt_tokens, args.repeats, peaks)
+        rows = [runs.sample_batch(subject, b, prompt_tokens, args.repeats, peaks, args.group)
                 for b in _batches(args, cfg)]
     elif args.mode == "step":
         rows = [runs.grpo_step(subject, args.steps, prompt_tokens, _policies(args))]
@@ -184,14 +194,14 @@ def _gib(n: int | None) -> str:
 
 
 def sample_table(rows: list[dict]) -> str:
-    lines = ["| batch | prompt | new | compile (s) | prefill tok/s | decode tok/s | ms/step | "
+    lines = ["| batch | group | prompt | new | compile (s) | prefill tok/s | decode tok/s | ms/step | "
              "decode GB/s | of peak BW | decode TFLOP/s | of peak | prefill of peak FLOP/s | "
              "peak GiB admit / generate | device peak GiB |",
-             "| ---: " * 14 + "|"]
+             "| ---: " * 15 + "|"]
     for r in rows:
         d, p = r["decode_limits"], r["prefill_limits"]
         lines.append(
-            f"| {r['batch']} | {r['prompt_tokens']} | {r['new_tokens']} | "
+            f"| {r['batch']} | {r['group']} | {r['prompt_tokens']} | {r['new_tokens']} | "
             f"{sum(r['compile_s'].values()):.1f} | {r['prefill_tok_s']:.1f} | "
             f"{r['decode_tok_s']:.1f} | {r['decode_step_ms']:.2f} | {d['bandwidth'] / 1e9:.1f} | "
             f"{_share(d['bandwidth_share'])} | {d['flop_rate'] / 1e12:.3g} | "

@@ -106,7 +106,20 @@ def test_bench_sample_prints_a_table_and_writes_json_lines(architecture, tmp_pat
         assert r["decode_tok_s"] == pytest.approx(r["batch"] * 3 / r["decode_s"])
         assert 0 < r["decode_limits"]["bandwidth_share"] and r["peak_bytes"]["generate"] > 0
         assert r["peaks"]["source"] == "measured"
-        assert f"| {r['batch']} | 5 | 4 |" in text
+        assert f"| {r['batch']} | 1 | 5 | 4 |" in text
+
+
+def test_bench_sample_decodes_groups_in_blocks_sharing_their_prompt(architecture, tmp_path,
+                                                                    capsys):
+    out = tmp_path / "bench.jsonl"
+    assert main(["bench", "sample", "--batches", "4", "--group", "2", "--prompt-tokens", "5",
+                 "--repeats", "1", "--out", str(out), f"model.path={architecture}",
+                 "sampling.max_new_tokens=4"]) == 0
+    (r,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert (r["batch"], r["group"], r["slots"]) == (4, 2, 4)
+    assert r["prefill_tok_s"] == pytest.approx(2 * 5 / r["prefill_s"])  # 2 prompts prefilled
+    assert r["decode_tok_s"] == pytest.approx(4 * 3 / r["decode_s"])
+    assert "| 4 | 2 | 5 | 4 |" in capsys.readouterr().out
 
 
 def test_bench_engine_with_static_batches(architecture, tmp_path, capsys):
@@ -142,6 +155,8 @@ def test_bench_step_times_phases_and_each_remat_policy(architecture, tmp_path, c
 @pytest.mark.parametrize("args,message", [
     (["sample", "--batches", "1,x"], "--batches '1,x' must be comma-separated row counts"),
     (["sample", "sampling.max_new_tokens=1"], "set sampling.max_new_tokens to at least 2"),
+    (["sample", "--batches", "2,3", "--group", "2"],
+     "--batches 3 does not split into groups of --group 2"),
     (["step", "--steps", "0"], "--steps must be at least 1; got 0"),
     (["step", "--compare-remat", "none,some"],
      "--compare-remat takes policies of none, dots, full; got 'some'"),
