@@ -117,7 +117,7 @@ class SamplingConfig(_Group):
     min_p: float = _setting(0.0, ge=0, lt=1)
     max_new_tokens: int = _setting(128, ge=1)
     stop: _STRS = ()
-    slots: int = _setting(0, ge=0)  # decode slots; 0 = one per row (fewer: refilled as rows end)
+    slots: int = _setting(0, ge=0)  # decode slots; 0 = one per row (fewer: refilled by groups)
 
 
 @dataclass(frozen=True)
