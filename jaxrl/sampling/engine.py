@@ -251,14 +251,13 @@ def generate(state: Slots, params: Params, lora: Lora | None, *, spec: ModelSpec
     ones = jnp.ones((s, c), bool)
 
     top_k = vocab_top_k(shardings, s, spec.vocab_size)
+    prompt = state.prefix  # a slot's own columns follow its block's prompt
+    offset = 0 if prompt is None else jnp.repeat(prompt.index, s // prompt.index.shape[0])
 
     def step(carry):
         i, st, out = carry
         index = st.cache.index
-        position = index
-        if st.prefix is not None:  # own columns follow the block's prompt
-            position = index + jnp.repeat(st.prefix.index, s // st.prefix.index.shape[0])
-        h, cache = hidden_states(params, st.last[:, None], position[:, None], spec,
+        h, cache = hidden_states(params, st.last[:, None], (index + offset)[:, None], spec,
                                  attn_mask=ones, cache=st.cache, prefix=st.prefix, lora=lora,
                                  shardings=shardings)
         logits = head_logits(shardings, lm_logits(params, h[:, -1], spec))  # [S, V]
@@ -399,10 +398,9 @@ class Engine:
                              f"{len(requests)} requests of {prompts} prompts")
         n = len(requests[0].prompt)
         prompt_room = self.prompt_capacity or self.capacity
+        new_room = self.capacity - (self.prompt_capacity or n)
         for request in requests:
-            if (n < 1 or request.max_new_tokens < 1 or n > prompt_room
-                    or n + request.max_new_tokens > self.capacity
-                    or request.max_new_tokens > self.capacity - self.prompt_capacity):
+            if n < 1 or not 1 <= request.max_new_tokens <= new_room or n > prompt_room:
                 raise ValueError(
                     f"a request needs a prompt of >= 1 token and max_new_tokens >= 1 within the "
                     f"engine's {self.capacity} cache columns (of which {self.prompt_capacity} "
