@@ -44,16 +44,13 @@ def assert_same_run(multi: dict, single: dict) -> None:
                                        rtol=1e-5, atol=1e-5, err_msg=f"{target}.{name}")
 
 
-def test_two_processes_match_one(tmp_path):
-    multi = two_processes(tmp_path, "-1,1,1")
-    assert_same_run(multi["-1,1,1"], grpo_steps(None))
-
-
 @pytest.mark.slow
-def test_processes_sharing_rows_match_one_process(tmp_path):
-    """(data 1, tensor 8): both processes hold all rows; (data 2, tensor 4): one block each.
-    Both equal one process over the same mesh of 8 devices."""
-    meshes = ("1,1,8", "2,1,4")
+def test_processes_match_one_process(tmp_path):
+    """(data 8): each process holds its own rows, against one process on one device; (data 1,
+    tensor 8): both processes hold all rows; (data 2, tensor 4): one block each. The last two
+    against one process over the same mesh of 8 devices. One pair of processes runs all three."""
+    meshes = ("-1,1,1", "1,1,8", "2,1,4")
     multi = two_processes(tmp_path, *meshes)
-    for mesh in meshes:
+    assert_same_run(multi["-1,1,1"], grpo_steps(None))
+    for mesh in meshes[1:]:
         assert_same_run(multi[mesh], grpo_steps(mesh_rules(mesh)))
