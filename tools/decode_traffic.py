@@ -1,6 +1,6 @@
 """Bytes one decode step moves, against the floor, from the compiled decode program.
 
-Compiles the decode engine's `generate` for ONE step (jaxrl/sampling/engine.py) from abstract
+Compiles the decode engine's `generate` for ONE step (jaxrl/sampling/programs.py) from abstract
 shapes, as `jaxrl plan` does (no weights), with NF4 kernels dequantized per layer (the path
 accelerators take), and walks its optimized HLO (jaxrl/hlo.py): every top-level
 instruction reads its operands and writes its result, loops count their trip counts. Per device:
@@ -58,7 +58,7 @@ def compile_step(cfg, spec, rules, compiler_options: dict | None = None):
     options for this compile."""
     from jaxrl.commands.plan import abstract_run
     from jaxrl.sampling.buckets import bucket
-    from jaxrl.sampling.engine import abstract_slots, generate
+    from jaxrl.sampling.programs import abstract_slots, generate
 
     run = abstract_run(cfg, spec, rules)
     capacity = bucket(cfg.data.max_prompt_tokens) + bucket(cfg.sampling.max_new_tokens)

@@ -65,7 +65,7 @@ def sample_batch(subject: Subject, batch: int, prompt_tokens: int, repeats: int,
     sampling.max_new_tokens): compile times, median times over `repeats` calls after a
     warm-up one, and their limits. Groups decode in blocks of slots sharing their prompt's
     cache, as `sample` lays them out (group 1: every row its own prompt)."""
-    from jaxrl.sampling.engine import admit, generate, init_slots
+    from jaxrl.sampling.programs import admit, generate, init_slots
     from jaxrl.sampling.sampler import slot_layout
 
     cfg, spec, rules = subject.cfg, subject.spec, subject.rules

@@ -177,7 +177,7 @@ def _slots(cfg, spec, rules, run: AbstractRun):
     """The rollout engine's slots as `sample` lays them out for the run's rows (a group's G
     slots sharing its prompt; one slot each in multi-turn rollouts), ShapeDtypeStructs."""
     from jaxrl.sampling.buckets import bucket
-    from jaxrl.sampling.engine import abstract_slots
+    from jaxrl.sampling.programs import abstract_slots
     from jaxrl.sampling.sampler import slot_layout
 
     group = 1 if cfg.data.env else cfg.grpo.num_generations
@@ -188,9 +188,9 @@ def _slots(cfg, spec, rules, run: AbstractRun):
 
 def lower_sampler(cfg, spec, rules, run: AbstractRun):
     """The decode engine's `generate` (one chunk of the run's new-token bucket) lowered for a
-    slot per row of the run (jaxrl/sampling/engine.py)."""
+    slot per row of the run (jaxrl/sampling/programs.py)."""
     from jaxrl.sampling.buckets import bucket
-    from jaxrl.sampling.engine import generate
+    from jaxrl.sampling.programs import generate
 
     state = _slots(cfg, spec, rules, run)
     return generate.lower(state, run.params, run.lora, spec=spec,
@@ -205,7 +205,7 @@ def lower_prefill(cfg, spec, rules, run: AbstractRun):
     import jax.numpy as jnp
 
     from jaxrl.sampling.buckets import bucket
-    from jaxrl.sampling.engine import admit
+    from jaxrl.sampling.programs import admit
     from jaxrl.sampling.sampling_fns import Decoding, RowSettings
 
     state = _slots(cfg, spec, rules, run)

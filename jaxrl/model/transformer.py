@@ -1,7 +1,7 @@
 """The decoder forward pass: a pure function of params, tokens and positions.
 
 `hidden_states` scans over the stacked layer weights with `lax.scan`: training, log-probs and
-decoding (jaxrl/sampling/engine.py) all run this one loop, on every backend, with NF4 kernels
+decoding (jaxrl/sampling/programs.py) all run this one loop, on every backend, with NF4 kernels
 dequantized one layer at a time inside it.
 
 Glossary: B batch, T tokens in this call, S key slots (T without a cache, the cache length with

@@ -1,54 +1,12 @@
-"""The decode engine: S decode slots over one KV cache, continuous batching, per-slot settings.
-
-Glossary: S decode slots, C cache columns per slot (its capacity), U distinct prompts prefilled
-together, P their width (bucketed), M slots filled together, N steps per `generate` call (the
-chunk), V vocab.
-
-Slots. Each slot holds one request's row of the KV cache, left-aligned: its prompt in columns
-[0, len), its t-th new token in column len + t, so a token's cache column is its position and
-no slot carries padding. Beside the cache every slot holds, as arrays [S] on the device: the
-token to feed next, whether it is live, how many tokens it has generated, its token budget, its
-PRNG key and its decoding settings (`RowSettings`), and for the penalties which tokens its
-prompt holds and how often it generated each (`History`, [S, V] each). A slot's t-th token is
-drawn with fold_in(key, t) under its own settings, so a request decodes the same tokens
-whatever slot it lands in and whatever decodes beside it.
-
-Shared prompts. An engine made with share R > 1 groups its slots in blocks of R consecutive
-slots that decode R requests of one prompt (a GRPO group, `Engine.submit_group`). The block
-holds the prompt's keys and values once, in a prefix cache [L, S / R, K, P, D] beside the
-slots' own caches [L, S, K, C - P, D] (a slot's t-th new token in its own column t), and each
-decode step's attention reads it once for the block: the R rows' queries form one product
-against it. Requests in blocks are admitted and freed a block at a time and cannot be held
-for continuations.
-
-Programs (jitted; static: the model spec, EOS ids, mesh and the shapes):
-  admit     prefill U distinct prompts once (right-padded to P), copy row src[m]'s P cache
-            columns into slot dst[m] for each of M new slots (the G completions of a prompt
-            share one prefill; with blocks, into the block's prefix cache once), and draw each
-            new slot's first token. Padding entries name slot S and are dropped.
-  generate  advance every live slot by up to N tokens (stopping early once no slot is live)
-            and return the new tokens, their log-probs and which were emitted [S, N].
-  extend    continue conversations held in their slots (jaxrl/sampling/requests.py): rewind
-            each such slot's cache to its kept tokens, append up to A tokens [S, A] there in one
-            pass over every slot (those not continued are left as they were), and draw each
-            continued slot's first new token under its new key, settings and budget.
-Settings, keys, budgets and prompt lengths are data, so changing them never compiles a
-program; S, C and N are fixed per engine, and U, M, P and A are rounded up to powers of two,
-so the programs number at most one `generate`, one `admit` per (U, M, P) bucket and one
-`extend` per A bucket.
+"""The decode engine: a queue of requests decoded in S slots over one KV cache, with continuous
+batching and per-slot settings. The slots and the jitted programs that fill and advance them
+(`admit`, `generate`, `extend`) are jaxrl/sampling/programs.py; this is the host side.
 
 Host loop (`Engine.step`): fill free slots from the queue (FIFO), append the queued
 continuations to their held slots, run one `generate` chunk, hand each request its new tokens
 (`Request.on_token`, which serving streams), and free the slots whose request finished (an EOS
 id, or its max_new_tokens) unless it holds its slot for a continuation. `Engine.run` steps
 until the queues are empty and no slot is live.
-
-Both programs run the model's `lax.scan` over the stacked layers (`hidden_states`), the loop
-training runs, with NF4 kernels dequantized one layer at a time inside it; the scan reads each
-layer's cache in place and each step writes only its new token per slot, once, after the scan
-(`kv_cache.write_tokens`), into the donated state. The cache is float32 on CPU (XLA:CPU
-converts a bf16 cache whole to float32 for that write) and in the activations' dtype
-elsewhere, which is lossless: keys and values are computed in that dtype.
 
 Several processes: each process queues its own requests and fills its own slots (the rows of
 the slot axis that its devices hold; processes whose devices share a batch shard hold the same
@@ -57,283 +15,21 @@ slots and queue the same requests); the bucket sizes and whether to admit are ag
 """
 from __future__ import annotations
 
-import functools
 from collections import deque
 from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import struct
 
 from jaxrl import distributed
 from jaxrl.lora.lora import Lora
 from jaxrl.model.families import ModelSpec
-from jaxrl.model.kv_cache import KVCache, init_cache
-from jaxrl.model.transformer import Params, hidden_states, lm_logits
+from jaxrl.model.transformer import Params
 from jaxrl.sampling.buckets import bucket
+from jaxrl.sampling.programs import Chunk, admit, extend, generate, init_slots
 from jaxrl.sampling.requests import EngineStats, Request
-from jaxrl.sampling.sampling_fns import (MAX_TOP_LOGPROBS, Decoding, History, RowSettings,
-                                         next_token)
-from jaxrl.sharding import (MeshRules, cache_shardings, constrain, head_logits, head_rules,
-                            lora_shardings, param_shardings, row_shardings, vocab_top_k)
-
-
-@struct.dataclass
-class Slots:
-    """Device state of the S slots (module docstring)."""
-
-    cache: KVCache  # [L, S, K, C, D]; cache.index [S]: tokens in each slot's cache
-    last: jax.Array  # [S] int32: the token to feed next
-    live: jax.Array  # [S] bool
-    count: jax.Array  # [S] int32: tokens generated
-    budget: jax.Array  # [S] int32: max new tokens
-    keys: jax.Array  # [S, 2] uint32
-    settings: RowSettings  # [S] each
-    history: History  # [S, V] each: what the penalties read
-    # With blocks of R slots sharing a prompt (module docstring): the prompts' cache
-    # [L, S / R, K, P, D], index [S / R] their lengths; `cache` then holds each slot's own
-    # tokens only, its column t the slot's t-th generated token. None: no sharing.
-    prefix: KVCache | None = None
-
-
-@struct.dataclass
-class Chunk:
-    """What one `generate` call decoded, [S, N]."""
-
-    tokens: jax.Array  # int32
-    logprobs: jax.Array  # float32
-    emitted: jax.Array  # bool: the slot was live and produced this token
-    top_ids: jax.Array  # [S, N, MAX_TOP_LOGPROBS] int32, for slots that ask (RowSettings)
-    top_logprobs: jax.Array  # [S, N, MAX_TOP_LOGPROBS] float32
-
-
-def _platform(shardings: MeshRules | None) -> str:
-    return jax.default_backend() if shardings is None else shardings.mesh.devices.flat[0].platform
-
-
-def _cache_dtype(params: Params, shardings: MeshRules | None):
-    return (jnp.float32 if _platform(shardings) == "cpu"
-            else params["embed_tokens"]["embedding"].dtype)
-
-
-def _place(params, lora, spec, shardings):
-    if shardings is None:
-        return params, lora
-    params = constrain(params, param_shardings(shardings, params, spec))
-    if lora is not None:
-        lora = constrain(lora, lora_shardings(shardings, lora, spec))
-    return params, lora
-
-
-@functools.partial(jax.jit, static_argnames=("spec", "slots", "capacity", "share",
-                                             "prompt_capacity", "shardings"))
-def init_slots(params: Params, *, spec: ModelSpec, slots: int, capacity: int, share: int = 1,
-               prompt_capacity: int = 0, shardings: MeshRules | None = None) -> Slots:
-    """S empty slots of `capacity` cache columns each; with share R > 1, in blocks of R slots
-    that share the first prompt_capacity of those columns (one prompt per block)."""
-    dtype = _cache_dtype(params, shardings)
-    prefix = None
-    if share > 1:
-        prefix = init_cache(spec, slots // share, prompt_capacity, dtype)
-        capacity -= prompt_capacity
-    cache = init_cache(spec, slots, capacity, dtype)
-    zeros = lambda dtype: jnp.zeros((slots,), dtype)
-    state = Slots(cache=cache, last=zeros(jnp.int32), live=zeros(bool), count=zeros(jnp.int32),
-                  budget=zeros(jnp.int32), keys=jnp.zeros((slots, 2), jnp.uint32),
-                  settings=jax.tree_util.tree_map(jnp.asarray,
-                                                  RowSettings.of([Decoding()] * slots)),
-                  history=History.empty(slots, spec.vocab_size), prefix=prefix)
-    return state if shardings is None else constrain(state, _slot_shardings(shardings, state))
-
-
-def _slot_shardings(shardings: MeshRules, state: Slots) -> Slots:
-    """The cache as `cache_shardings` lays it out, the history [S, V] as the logits it
-    adjusts (`head_logits`), every other field split by slots."""
-    rest = row_shardings(shardings, state.replace(cache=None, history=None, prefix=None))
-    vocab = head_rules(shardings)
-    history = jax.tree_util.tree_map(lambda a: vocab.named(("batch", "vocab"), a.shape),
-                                     state.history)
-    prefix = None if state.prefix is None else cache_shardings(shardings, state.prefix)
-    return rest.replace(cache=cache_shardings(shardings, state.cache), history=history,
-                        prefix=prefix)
-
-
-def abstract_slots(params: Params, spec: ModelSpec, slots: int, capacity: int,
-                   shardings: MeshRules, share: int = 1, prompt_capacity: int = 0) -> Slots:
-    """ShapeDtypeStructs of `init_slots` with their shardings, for compiling the engine's
-    programs without data (`jaxrl plan`)."""
-    make = functools.partial(init_slots, spec=spec, slots=slots, capacity=capacity,
-                             share=share, prompt_capacity=prompt_capacity, shardings=shardings)
-    shapes = jax.eval_shape(make, params)
-    return jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                                  shapes, _slot_shardings(shardings, shapes))
-
-
-def _insert_rows(cache: KVCache, pre: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
-    """cache with prefill rows pre[src[m]] (columns [0, P)) copied into slots dst[m]; an entry
-    naming a slot past the end is dropped."""
-    p = pre.k.shape[3]
-    k = cache.k.at[:, dst, :, :p].set(pre.k[:, src].astype(cache.k.dtype), mode="drop")
-    v = cache.v.at[:, dst, :, :p].set(pre.v[:, src].astype(cache.v.dtype), mode="drop")
-    return cache.replace(k=k, v=v)
-
-
-def _fold(keys: jax.Array, t: jax.Array) -> jax.Array:
-    """keys [R, 2] each folded with t [R] (or a scalar): the key of each row's t-th token."""
-    t = jnp.broadcast_to(t, keys.shape[:1])
-    return jax.vmap(jax.random.fold_in)(keys, t)
-
-
-@functools.partial(jax.jit, donate_argnums=0, static_argnames=("spec", "eos_ids", "shardings"))
-def admit(state: Slots, params: Params, lora: Lora | None, prompts: jax.Array,
-          lengths: jax.Array, src: jax.Array, dst: jax.Array, keys: jax.Array,
-          settings: RowSettings, budget: jax.Array, *, spec: ModelSpec,
-          eos_ids: tuple[int, ...], shardings: MeshRules | None = None):
-    """Prefill prompts [U, P] (right-padded; lengths [U]) and fill slots dst [M] from rows
-    src [M] with keys [M, 2], settings [M] and budgets [M] (module docstring). With blocks of
-    R slots sharing a prompt (state.prefix), M is a multiple of R and each R consecutive
-    entries fill one block's slots in order from one row. Returns the new state and, per new
-    slot [M], its first token with its log-probs (`Picked`) and whether the slot is already
-    done."""
-    params, lora = _place(params, lora, spec, shardings)
-    u, p = prompts.shape
-    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (u, p))
-    pre = init_cache(spec, u, p, _cache_dtype(params, shardings))
-    h, pre = hidden_states(params, prompts, positions, spec, cache=pre, lora=lora,
-                           shardings=shardings)
-    last = jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [U, E]
-    logits = head_logits(shardings, lm_logits(params, last, spec)[src])  # [M, V]
-    seen = jax.tree_util.tree_map(lambda a: a[src],
-                                  History.of_prompts(prompts, lengths, spec.vocab_size))
-    picked = next_token(_fold(keys, 0), logits, settings, seen,
-                        vocab_top_k(shardings, *logits.shape))
-    token = picked.token
-    done = jnp.isin(token, jnp.asarray(eos_ids, jnp.int32)) | (budget <= 1)
-    put = lambda a, x: a.at[dst].set(x, mode="drop")
-    prefix = state.prefix
-    if prefix is None:
-        cache = _insert_rows(state.cache, pre, src, dst)
-        cache = cache.replace(index=put(cache.index, lengths[src]))
-    else:  # the block's prompt once; its slots' own caches start empty
-        share = state.last.shape[0] // prefix.index.shape[0]
-        rows, blocks = src[::share], dst[::share] // share  # padding: block S / R, dropped
-        prefix = _insert_rows(prefix, pre, rows, blocks)
-        prefix = prefix.replace(index=prefix.index.at[blocks].set(lengths[rows], mode="drop"))
-        cache = state.cache.replace(index=put(state.cache.index, jnp.zeros_like(dst)))
-    state = state.replace(cache=cache, prefix=prefix, last=put(state.last, token),
-                          live=put(state.live, ~done),
-                          count=put(state.count, jnp.ones_like(budget)),
-                          budget=put(state.budget, budget), keys=put(state.keys, keys),
-                          settings=jax.tree_util.tree_map(put, state.settings, settings),
-                          history=jax.tree_util.tree_map(put, state.history,
-                                                         seen.record(token, budget > 0)))
-    return state, picked, done
-
-
-# How XLA:CPU orders a decode step: its default (concurrency-optimized) schedule runs a layer's
-# weight copies and matmuls side by side, where on few cores they compete for memory; ordered
-# for memory, the decode step ran 1.5-1.7x faster on 2 cores (docs/benchmarks.md, "Where the
-# rollout's time goes"). A CPU option; other backends ignore it.
-DECODE_COMPILER_OPTIONS = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
-
-
-@functools.partial(jax.jit, donate_argnums=0,
-                   static_argnames=("spec", "eos_ids", "steps", "shardings"),
-                   compiler_options=DECODE_COMPILER_OPTIONS)
-def generate(state: Slots, params: Params, lora: Lora | None, *, spec: ModelSpec,
-             eos_ids: tuple[int, ...], steps: int,
-             shardings: MeshRules | None = None) -> tuple[Slots, Chunk]:
-    """Advance every live slot by up to `steps` tokens (module docstring)."""
-    params, lora = _place(params, lora, spec, shardings)
-    s, c = state.last.shape[0], state.cache.max_len
-    eos = jnp.asarray(eos_ids, jnp.int32)
-    ones = jnp.ones((s, c), bool)
-
-    top_k = vocab_top_k(shardings, s, spec.vocab_size)
-    prompt = state.prefix  # a slot's own columns follow its block's prompt
-    offset = 0 if prompt is None else jnp.repeat(prompt.index, s // prompt.index.shape[0])
-
-    def step(carry):
-        i, st, out = carry
-        index = st.cache.index
-        h, cache = hidden_states(params, st.last[:, None], (index + offset)[:, None], spec,
-                                 attn_mask=ones, cache=st.cache, prefix=st.prefix, lora=lora,
-                                 shardings=shardings)
-        logits = head_logits(shardings, lm_logits(params, h[:, -1], spec))  # [S, V]
-        picked = next_token(_fold(st.keys, st.count), logits, st.settings, st.history, top_k)
-        token, live = picked.token, st.live
-        done = jnp.isin(token, eos) | (st.count + 1 >= st.budget)
-        column = lambda a, x: a.at[:, i].set(x)
-        out = Chunk(tokens=column(out.tokens, jnp.where(live, token, 0)),
-                    logprobs=column(out.logprobs, jnp.where(live, picked.logprob, 0.0)),
-                    emitted=column(out.emitted, live),
-                    top_ids=column(out.top_ids, picked.top_ids),
-                    top_logprobs=column(out.top_logprobs, picked.top_logprobs))
-        st = st.replace(cache=cache.replace(index=jnp.where(live, index + 1, index)),
-                        last=jnp.where(live, token, st.last), live=live & ~done,
-                        count=st.count + live, history=st.history.record(token, live))
-        return i + 1, st, out
-
-    k = min(MAX_TOP_LOGPROBS, spec.vocab_size)
-    empty = Chunk(tokens=jnp.zeros((s, steps), jnp.int32),
-                  logprobs=jnp.zeros((s, steps), jnp.float32),
-                  emitted=jnp.zeros((s, steps), bool),
-                  top_ids=jnp.zeros((s, steps, k), jnp.int32),
-                  top_logprobs=jnp.zeros((s, steps, k), jnp.float32))
-    _, state, out = jax.lax.while_loop(lambda c: (c[0] < steps) & jnp.any(c[1].live), step,
-                                       (jnp.zeros((), jnp.int32), state, empty))
-    return state, out
-
-
-def _appended_history(history: History, tokens: jax.Array, count: jax.Array,
-                      vocab: int) -> History:
-    """history with each row's first count[s] tokens [S, A] added to its prompt tokens (the
-    penalties treat appended tokens as prompt)."""
-    s, a = tokens.shape
-    real = jnp.arange(a)[None, :] < count[:, None]
-    rows = jnp.broadcast_to(jnp.arange(s)[:, None], (s, a))
-    return history.replace(prompt=history.prompt.at[rows, jnp.where(real, tokens, vocab)].set(
-        True, mode="drop"))
-
-
-@functools.partial(jax.jit, donate_argnums=0, static_argnames=("spec", "eos_ids", "shardings"))
-def extend(state: Slots, params: Params, lora: Lora | None, tokens: jax.Array, start: jax.Array,
-           count: jax.Array, keys: jax.Array, settings: RowSettings, budget: jax.Array, *,
-           spec: ModelSpec, eos_ids: tuple[int, ...], shardings: MeshRules | None = None):
-    """Continue the slots with count [S] > 0 (module docstring): their caches keep columns
-    [0, start) and gain the first count tokens of tokens [S, A] (right-padded) behind them;
-    then each draws a first token with keys [S, 2], settings [S] and budget [S]. Slots with
-    count 0 keep their state (the pass writes their cache only past their filled columns,
-    which nothing reads). Returns the new state and, per slot [S], the first token with its
-    log-probs (`Picked`) and whether the slot is already done."""
-    if state.prefix is not None:
-        raise ValueError("slots that share a prompt cannot be continued")
-    params, lora = _place(params, lora, spec, shardings)
-    s, a = tokens.shape
-    on = count > 0
-    index = jnp.where(on, start, state.cache.index)
-    positions = index[:, None] + jnp.arange(a, dtype=jnp.int32)  # [S, A]
-    h, cache = hidden_states(params, tokens, positions, spec,
-                             attn_mask=jnp.ones((s, state.cache.max_len), bool),
-                             cache=state.cache.replace(index=index), lora=lora,
-                             shardings=shardings)
-    last = jnp.take_along_axis(h, jnp.maximum(count - 1, 0)[:, None, None], axis=1)[:, 0]
-    logits = head_logits(shardings, lm_logits(params, last, spec))  # [S, V]
-    seen = _appended_history(state.history, tokens, count, spec.vocab_size)
-    picked = next_token(_fold(keys, 0), logits, settings, seen,
-                        vocab_top_k(shardings, *logits.shape))
-    token = picked.token
-    done = jnp.isin(token, jnp.asarray(eos_ids, jnp.int32)) | (budget <= 1)
-    pick = lambda new, old: jnp.where(on.reshape(-1, *([1] * (old.ndim - 1))), new, old)
-    cache = cache.replace(index=jnp.where(on, start + count, state.cache.index))
-    state = state.replace(
-        cache=cache, last=pick(token, state.last), live=pick(~done, state.live),
-        count=pick(jnp.ones_like(count), state.count), budget=pick(budget, state.budget),
-        keys=pick(keys, state.keys),
-        settings=jax.tree_util.tree_map(pick, settings, state.settings),
-        history=jax.tree_util.tree_map(pick, seen.record(token, on), state.history))
-    return state, picked, done
+from jaxrl.sampling.sampling_fns import Decoding, RowSettings
+from jaxrl.sharding import MeshRules
 
 
 class Engine:

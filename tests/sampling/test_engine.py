@@ -10,7 +10,7 @@ import pytest
 from jaxrl.hf.load import load_params
 from jaxrl.model.transformer import forward
 from jaxrl.sampling import Decoding, Engine, Request
-from jaxrl.sampling import engine as engine_programs
+from jaxrl.sampling import programs as engine_programs
 from jaxrl.sampling.requests import row_keys
 from tests.tiny_models import hf_greedy, make_model
 

@@ -11,7 +11,7 @@ from jaxrl.config import QuantConfig
 from jaxrl.model.families import spec_from_hf_config
 from jaxrl.model.params import declare
 from jaxrl.quant.qparams import abstract_quantized_params
-from jaxrl.sampling.engine import generate, init_slots
+from jaxrl.sampling.programs import generate, init_slots
 
 # runs on an accelerator too (tools/accelerator_check.sh)
 pytestmark = pytest.mark.accelerator
