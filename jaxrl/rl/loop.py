@@ -46,7 +46,7 @@ from jaxrl.rl.rollout import Rollout, pack_rollout
 from jaxrl.rl.session import Session
 from jaxrl.rl.train_step import Batch
 from jaxrl.runlog import RunLog, trim_logs
-from jaxrl.sampling.sampler import SampleOutput, sample
+from jaxrl.sampling.sampler import sample
 
 
 def _rows(rollout: Rollout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
