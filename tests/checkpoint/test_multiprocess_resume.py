@@ -24,7 +24,6 @@ from tests.xla_flags import cpu_flags
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS, ROWS = 4, 4
-DEVICES, TENSOR = 1, 1  # per process; the mesh is data 2 x tensor TENSOR
 TARGETS = ["q_proj", "v_proj", "down_proj"]
 
 
@@ -45,7 +44,7 @@ def _config(tmp_path: Path, model_dir: Path) -> Path:
         "quant": {"mode": "nf4"},
         "lora": {"rank": 4, "alpha": 8, "targets": TARGETS,
                  "init_from": str(tmp_path / "start")},
-        "mesh": {"data": 2, "tensor": TENSOR},
+        "mesh": {"data": 2},  # one device per process
         "data": {"tasks": ["arithmetic:40"], "prompts_per_step": 2, "response_prefix": "<think>"},
         "sampling": {"temperature": 1.0, "max_new_tokens": 8},
         "grpo": {"num_generations": 2, "beta": 0.04},
@@ -66,7 +65,7 @@ def _start(config: Path, run_dir: Path, logs: Path) -> list[subprocess.Popen]:
         port = s.getsockname()[1]
     procs = []
     for i in range(2):
-        env = {**os.environ, "XLA_FLAGS": cpu_flags(DEVICES),
+        env = {**os.environ, "XLA_FLAGS": cpu_flags(1),
                "JAX_PLATFORMS": "cpu", "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
                "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(i)}
         err = subprocess.PIPE if i == 0 else open(logs / f"{run_dir.name}-1.log", "a")
