@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The first check of jaxrl on an accelerator, in under 10 minutes on one GPU:
-#   1. the tests that run jax programs an accelerator runs (`pytest -m accelerator`: HF parity,
+#   1. `jaxrl bench sample` at Qwen3-4B's shapes (random NF4 weights), batches 1, 8 and 32,
+#      128 prompt and 128 new tokens;
+#   2. `jaxrl bench step` at the shapes of configs/cedar_qwen3_4b_1gpu.yaml (random weights);
+#   3. the tests that run jax programs an accelerator runs (`pytest -m accelerator`: HF parity,
 #      NF4 dequantization, the one-dense-layer-at-a-time memory bounds), float32 matmuls at
 #      full precision (the parity tolerance is 1e-5; TF32 would not meet it);
-#   2. `jaxrl bench sample` at Qwen3-4B's shapes (random NF4 weights), batches 1, 8 and 32,
-#      128 prompt and 128 new tokens;
-#   3. `jaxrl bench step` at the shapes of configs/cedar_qwen3_4b_1gpu.yaml (random weights);
 #   4. the quickstart as shipped (`jaxrl train`, the embedded default model).
+# The figures come first, so that a check cut short still has them.
 # Each step's output goes to OUT_DIR/<step>.log and the bench figures to OUT_DIR/bench.jsonl;
 # a failed step is reported and the others still run. Exit status 1 if any step failed.
 #
@@ -73,21 +74,21 @@ if [ $tiny = 1 ]; then
  "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
  "eos_token_id": 2, "tie_word_embeddings": true}
 EOF
-  run_step tests collect_accelerator_tests
   run_step bench_sample jaxrl bench sample --batches 1,2 --prompt-tokens 16 \
     --out "$out/bench.jsonl" "model.path=$model" sampling.max_new_tokens=8
   run_step bench_step jaxrl bench step --config configs/cedar_qwen3_4b_1gpu.yaml --steps 1 \
     --prompt-tokens 16 --out "$out/bench.jsonl" "model.path=$model" \
     data.max_prompt_tokens=16 sampling.max_new_tokens=8
+  run_step tests collect_accelerator_tests
   run_step quickstart jaxrl train run.steps=1 sampling.max_new_tokens=8 \
     "run.output_dir=$out/quickstart"
 else
-  run_step tests env JAX_PLATFORMS= JAX_DEFAULT_MATMUL_PRECISION=highest \
-    python -m pytest -q -m accelerator -p no:cacheprovider
   run_step bench_sample jaxrl bench sample --batches 1,8,32 --prompt-tokens 128 \
     --out "$out/bench.jsonl" model.path=qwen3-4b sampling.max_new_tokens=128
   run_step bench_step jaxrl bench step --config configs/cedar_qwen3_4b_1gpu.yaml --steps 1 \
     --out "$out/bench.jsonl" model.path=qwen3-4b
+  run_step tests env JAX_PLATFORMS= JAX_DEFAULT_MATMUL_PRECISION=highest \
+    python -m pytest -q -m accelerator -p no:cacheprovider
   run_step quickstart jaxrl train "run.output_dir=$out/quickstart"
 fi
 
