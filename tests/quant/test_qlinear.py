@@ -112,13 +112,22 @@ def _temp_bytes(fn, *args):
     return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
 
 
+def _live_layers() -> float:
+    """Dense layers a layer loop may hold at once. XLA:GPU double-buffers while loops (the body
+    runs two iterations per trip, so one layer's dequantization overlaps the other's matmuls):
+    the forward below held 1.50-1.63 dense layers on an H200 (jax 0.11.2) and 0.76 with
+    --xla_gpu_enable_while_loop_double_buffering=false; XLA:CPU holds one (1.05 here). A
+    dequantized model would hold all 12."""
+    return 2.0 if jax.default_backend() == "gpu" else 1.5
+
+
 @pytest.mark.accelerator
 def test_forward_keeps_one_dequantized_layer_at_a_time():
     spec, params, layer = _mid()
     tokens = jax.ShapeDtypeStruct((B, T), jnp.int32)
     pos = jnp.broadcast_to(jnp.arange(T), (B, T))
     temp = _temp_bytes(lambda p, t: forward(p, t, pos, spec)[0], params, tokens)
-    assert temp < 1.5 * layer, (temp, layer)
+    assert temp < _live_layers() * layer, (temp, layer)
 
 
 @pytest.mark.accelerator
@@ -136,7 +145,7 @@ def test_decode_loop_keeps_one_dequantized_layer_at_a_time():
 
     cache = jax.eval_shape(lambda: init_cache(spec, B, 64))
     temp = _temp_bytes(decode, params, cache, jax.ShapeDtypeStruct((B, 1), jnp.int32))
-    assert temp < 1.5 * layer, (temp, layer)
+    assert temp < _live_layers() * layer, (temp, layer)
 
 
 @pytest.mark.accelerator
