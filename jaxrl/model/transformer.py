@@ -21,7 +21,7 @@ from jaxrl.model.families import ModelSpec
 from jaxrl.model.kv_cache import KVCache, write_tokens
 from jaxrl.model.params import LINEAR_NAMES
 from jaxrl.quant.nf4 import QTensor, as_dense
-from jaxrl.quant.qmatmul import qmatmul
+from jaxrl.quant.qmatmul import matmul_form, qmatmul
 from jaxrl.sharding import MeshRules, layer_weights, split_rows
 
 Params = dict[str, Any]
@@ -62,12 +62,12 @@ def linear(x: jax.Array, p: Params) -> jax.Array:
     itself yields x's dtype, so where a mesh splits `in` (o_proj and down_proj over the tensor
     axis, and in the backward pass the column-parallel layers' input gradients) the partial
     sums are reduced across devices in the model's dtype, not in float32; only a decode step's
-    NF4 block form, which sums its scale blocks in float32 first, reduces its few rows' partial
-    sums in float32."""
+    NF4 block form, which sums its scale blocks in float32 first, and the GPU's split form,
+    which adds its two matmuls in float32, reduce their partial sums in float32."""
     kernel = p["kernel"]
     dtype = jnp.float32 if "bias" in p else x.dtype  # a bias is added before the rounding
     if isinstance(kernel, QTensor):  # one token per row (decoding): bound by reading the kernel
-        y = qmatmul(x, kernel, memory_bound=x.shape[-2] == 1, dtype=dtype)
+        y = qmatmul(x, kernel, form=matmul_form(memory_bound=x.shape[-2] == 1), dtype=dtype)
     else:
         y = jnp.einsum("...i,io->...o", x, kernel.astype(x.dtype), preferred_element_type=dtype)
     if "bias" in p:

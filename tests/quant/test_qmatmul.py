@@ -1,16 +1,13 @@
-"""The quantized matmul: both forms against hand-worked numbers and a float64 reference."""
+"""The quantized matmul: each form against hand-worked numbers and a float64 reference."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxrl.quant.nf4 import QTensor, dequantize_np, quantize_np
-from jaxrl.quant.qmatmul import qmatmul
+from jaxrl.quant.qmatmul import FORMS, matmul_form, qmatmul
 
-FORMS = {"block form": True, "dense form": False}  # memory_bound
-
-
-@pytest.mark.parametrize("memory_bound", FORMS.values(), ids=FORMS.keys())
-def test_hand_worked_two_blocks(memory_bound):
+@pytest.mark.parametrize("form", FORMS)
+def test_hand_worked_two_blocks(form):
     # Block size 2, one column. Rows 0..3 hold NF4 codes 15, 0, 7, 15 (levels 1, -1, 0, 1):
     # byte 0 = 15 | 0 << 4 = 15, byte 1 = 7 | 15 << 4 = 247. Scales 2 and 0.5 make the dense
     # column [2, -2, 0, 0.5], so x = [3, 1, 5, 2] gives 6 - 2 + 0 + 1 = 5.
@@ -18,19 +15,19 @@ def test_hand_worked_two_blocks(memory_bound):
                 2, "nf4", "float32")
     np.testing.assert_array_equal(dequantize_np(q)[:, 0], [2, -2, 0, 0.5])
     x = jnp.array([[3.0, 1.0, 5.0, 2.0]])
-    np.testing.assert_array_equal(np.asarray(qmatmul(x, q, memory_bound=memory_bound)), [[5.0]])
+    np.testing.assert_array_equal(np.asarray(qmatmul(x, q, form=form)), [[5.0]])
 
 
-@pytest.mark.parametrize("memory_bound", FORMS.values(), ids=FORMS.keys())
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("kwargs", [dict(), dict(double_quant=True), dict(mode="int4"),
                                     dict(block_size=32)])
-def test_equals_the_dequantized_kernel_to_float32_rounding(memory_bound, kwargs):
+def test_equals_the_dequantized_kernel_to_float32_rounding(form, kwargs):
     rng = np.random.default_rng(0)
     w = rng.normal(size=(512, 96)).astype(np.float32) * 0.02
     q = quantize_np(w, **kwargs)
     x = rng.normal(size=(6, 512)).astype(np.float32)
     want = x.astype(np.float64) @ dequantize_np(q).astype(np.float64)  # [R, O]
-    got = np.asarray(qmatmul(jnp.asarray(x.reshape(2, 3, 512)), q, memory_bound=memory_bound))
+    got = np.asarray(qmatmul(jnp.asarray(x.reshape(2, 3, 512)), q, form=form))
     got = got.reshape(6, -1)
     scale = np.abs(x).astype(np.float64) @ np.abs(dequantize_np(q)).astype(np.float64)
     assert np.all(np.abs(got - want) <= 1e-6 * scale)  # 512 float32 products and sums
@@ -42,19 +39,28 @@ def test_bfloat16_inputs_round_only_the_kernel_entries():
     x = jnp.asarray(rng.normal(size=(4, 256)), jnp.bfloat16)
     want = np.asarray(x, np.float64) @ dequantize_np(q).astype(np.float64)
     scale = np.abs(np.asarray(x, np.float64)) @ np.abs(dequantize_np(q)).astype(np.float64)
-    for memory_bound in FORMS.values():
-        got = np.asarray(qmatmul(x, q, memory_bound=memory_bound))
+    for form in FORMS:
+        got = np.asarray(qmatmul(x, q, form=form))
         assert np.all(np.abs(got - want) <= 2.0**-8 * scale)  # each entry rounded once
 
 
-@pytest.mark.parametrize("memory_bound", FORMS.values(), ids=FORMS.keys())
-def test_a_bfloat16_result_is_the_float32_one_rounded_once(memory_bound):
+@pytest.mark.parametrize("form", FORMS)
+def test_a_bfloat16_result_is_the_float32_one_rounded_once(form):
     """dtype=bfloat16 rounds the float32 sums once at the end (what lets a row-parallel layer
     reduce its partial sums in bfloat16), not each product or partial sum."""
     rng = np.random.default_rng(2)
     q = quantize_np(rng.normal(size=(256, 64)).astype(np.float32), double_quant=True)
     x = jnp.asarray(rng.normal(size=(4, 1, 256)), jnp.bfloat16)
-    got = qmatmul(x, q, memory_bound=memory_bound, dtype=jnp.bfloat16)
+    got = qmatmul(x, q, form=form, dtype=jnp.bfloat16)
     assert got.dtype == jnp.bfloat16
-    want = qmatmul(x, q, memory_bound=memory_bound).astype(jnp.bfloat16)
+    want = qmatmul(x, q, form=form).astype(jnp.bfloat16)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+def test_forms_by_backend_and_call():
+    # a GPU takes the split form for every call; elsewhere decoding takes the block form
+    assert [matmul_form(m, "gpu") for m in (True, False)] == ["split", "split"]
+    for backend in ("cpu", "tpu"):
+        assert [matmul_form(m, backend) for m in (True, False)] == ["block", "dense"]
+    with pytest.raises(ValueError, match="form 'rows'"):
+        qmatmul(jnp.ones((1, 64)), quantize_np(np.ones((64, 8), np.float32)), form="rows")

@@ -121,6 +121,28 @@ def _run(rules: MeshRules | None, batch: Batch | None = None):
     return jax.device_get((outs, metrics, new_state, batch))
 
 
+def test_the_gpu_split_form_on_the_mesh_gives_the_dequantized_logits(monkeypatch):
+    """A GPU multiplies every NF4 kernel in qmatmul's split form (two matmuls, over the even and
+    the odd input rows); on the mesh, whose tensor axis splits the inputs of o_proj and
+    down_proj, it gives the logits of the dequantized kernels on one device."""
+    from jaxrl.model import transformer
+
+    params, lora = quantized_model()
+    dense = jax.tree_util.tree_map(lambda x: dequantize(x, jnp.float32)
+                                   if isinstance(x, QTensor) else x, params,
+                                   is_leaf=lambda x: isinstance(x, QTensor))
+    tokens = jnp.asarray(np.random.RandomState(0).randint(3, 128, (ROWS, 6)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(6), tokens.shape)
+    logits = lambda p: transformer.forward(p, tokens, positions, SPEC, lora=lora)[0]
+    want = jax.jit(logits)(dense)
+    forms = []
+    monkeypatch.setattr(transformer, "matmul_form",
+                        lambda memory_bound: forms.append("split") or "split")
+    got = jax.jit(logits)(_on(_mesh(), params))
+    assert forms  # the quantized linears went through the split form
+    np.testing.assert_allclose(jax.device_get(got), jax.device_get(want), **TOL)
+
+
 @pytest.fixture(scope="module")
 def single():
     return _run(None)
