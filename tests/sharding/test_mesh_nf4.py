@@ -124,7 +124,8 @@ def _run(rules: MeshRules | None, batch: Batch | None = None):
 def test_the_gpu_split_form_on_the_mesh_gives_the_dequantized_logits(monkeypatch):
     """A GPU multiplies every NF4 kernel in qmatmul's split form (two matmuls, over the even and
     the odd input rows); on the mesh, whose tensor axis splits the inputs of o_proj and
-    down_proj, it gives the logits of the dequantized kernels on one device."""
+    down_proj, it gives the logits and the adapter's gradients of the dequantized kernels on
+    one device."""
     from jaxrl.model import transformer
 
     params, lora = quantized_model()
@@ -133,14 +134,23 @@ def test_the_gpu_split_form_on_the_mesh_gives_the_dequantized_logits(monkeypatch
                                    is_leaf=lambda x: isinstance(x, QTensor))
     tokens = jnp.asarray(np.random.RandomState(0).randint(3, 128, (ROWS, 6)), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(6), tokens.shape)
-    logits = lambda p: transformer.forward(p, tokens, positions, SPEC, lora=lora)[0]
-    want = jax.jit(logits)(dense)
+    def logits(p, adapter):
+        return transformer.forward(p, tokens, positions, SPEC, lora=adapter)[0]
+
+    def grads(p, adapter):  # of a loss that weighs every logit differently
+        weights = jnp.cos(jnp.arange(SPEC.vocab_size, dtype=jnp.float32))
+        return jax.grad(lambda a: jnp.mean(logits(p, a) * weights))(adapter).weights
+
+    want = jax.device_get((jax.jit(logits)(dense, lora), jax.jit(grads)(dense, lora)))
     forms = []
     monkeypatch.setattr(transformer, "matmul_form",
                         lambda memory_bound: forms.append("split") or "split")
-    got = jax.jit(logits)(_on(_mesh(), params))
+    meshed = _on(_mesh(), params)
+    got = jax.device_get((jax.jit(logits)(meshed, lora), jax.jit(grads)(meshed, lora)))
     assert forms  # the quantized linears went through the split form
-    np.testing.assert_allclose(jax.device_get(got), jax.device_get(want), **TOL)
+    np.testing.assert_allclose(got[0], want[0], **TOL)
+    for path, g in flatten(got[1]).items():
+        np.testing.assert_allclose(g, flatten(want[1])[path], **TOL, err_msg=path)
 
 
 @pytest.fixture(scope="module")
