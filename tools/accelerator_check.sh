@@ -4,10 +4,12 @@
 #      128 prompt and 128 new tokens;
 #   2. `jaxrl bench step` at the shapes of configs/cedar_qwen3_4b_1gpu.yaml (random weights),
 #      on a GPU of more than 32 GB with XLA's memory capped at what a 32 GB card gives it;
-#   3. the tests that run jax programs an accelerator runs (`pytest -m accelerator`: HF parity,
+#   3. where a decode step's time goes: `jaxrl bench sample --profile` at batch 32, 16 new tokens
+#      (the device's time by program and operation; the trace stays in OUT_DIR/profile);
+#   4. the tests that run jax programs an accelerator runs (`pytest -m accelerator`: HF parity,
 #      NF4 dequantization, the one-dense-layer-at-a-time memory bounds), float32 matmuls at
 #      full precision (the parity tolerance is 1e-5; TF32 would not meet it);
-#   4. the quickstart as shipped (`jaxrl train`, the embedded default model).
+#   5. the quickstart as shipped (`jaxrl train`, the embedded default model).
 # The figures come first, so that a check cut short still has them.
 # Each step's output goes to OUT_DIR/<step>.log and the bench figures to OUT_DIR/bench.jsonl;
 # a failed step is reported and the others still run. Exit status 1 if any step failed.
@@ -80,6 +82,8 @@ EOF
   run_step bench_step jaxrl bench step --config configs/cedar_qwen3_4b_1gpu.yaml --steps 1 \
     --prompt-tokens 16 --out "$out/bench.jsonl" "model.path=$model" \
     data.max_prompt_tokens=16 sampling.max_new_tokens=8
+  run_step profile jaxrl bench sample --batches 2 --prompt-tokens 16 --repeats 1 \
+    --profile "$out/profile" "model.path=$model" sampling.max_new_tokens=8
   run_step tests collect_accelerator_tests
   run_step quickstart jaxrl train run.steps=1 sampling.max_new_tokens=8 \
     "run.output_dir=$out/quickstart"
@@ -96,6 +100,8 @@ else
   fi
   run_step bench_step "${cap[@]}" python -m jaxrl.cli bench step \
     --config configs/cedar_qwen3_4b_1gpu.yaml --steps 1 --out "$out/bench.jsonl" model.path=qwen3-4b
+  run_step profile jaxrl bench sample --batches 32 --prompt-tokens 128 --repeats 1 \
+    --profile "$out/profile" model.path=qwen3-4b sampling.max_new_tokens=16
   run_step tests env JAX_PLATFORMS= JAX_DEFAULT_MATMUL_PRECISION=highest \
     python -m pytest -q -m accelerator -p no:cacheprovider
   run_step quickstart jaxrl train "run.output_dir=$out/quickstart"

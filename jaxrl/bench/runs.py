@@ -7,6 +7,7 @@ Compilation is kept apart: `sample` compiles its two programs ahead of time and 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import statistics
@@ -59,12 +60,13 @@ def _admit_inputs(subject: Subject, batch: int, prompt_tokens: int, slots: int,
 
 
 def sample_batch(subject: Subject, batch: int, prompt_tokens: int, repeats: int, peaks,
-                 group: int = 1) -> dict:
+                 group: int = 1, trace=contextlib.nullcontext) -> dict:
     """Prefill and decode of `batch` rows through the engine's programs (`admit` of distinct
     prompts of `prompt_tokens` tokens, each the prompt of `group` rows, then `generate` to
     sampling.max_new_tokens): compile times, median times over `repeats` calls after a
     warm-up one, and their limits. Groups decode in blocks of slots sharing their prompt's
-    cache, as `sample` lays them out (group 1: every row its own prompt)."""
+    cache, as `sample` lays them out (group 1: every row its own prompt). The last call runs
+    inside `trace()` (a profile, `jaxrl.bench.profile.traced`)."""
     from jaxrl.sampling.programs import admit, generate, init_slots
     from jaxrl.sampling.sampler import slot_layout
 
@@ -84,10 +86,12 @@ def sample_batch(subject: Subject, batch: int, prompt_tokens: int, repeats: int,
                                 **static).compile()
     compile_s = {"admit": compiled_admit - start, "generate": time.perf_counter() - compiled_admit}
     prefill, decode = [], []
-    for _ in range(repeats + 1):
-        (state, *_), t_prefill = _timed(lambda: admit_c(empty(), subject.params, subject.lora,
-                                                        *inputs))
-        (state, chunk), t_decode = _timed(lambda: generate_c(state, subject.params, subject.lora))
+    for i in range(repeats + 1):
+        with trace() if i == repeats else contextlib.nullcontext():
+            (state, *_), t_prefill = _timed(lambda: admit_c(empty(), subject.params,
+                                                            subject.lora, *inputs))
+            (state, chunk), t_decode = _timed(lambda: generate_c(state, subject.params,
+                                                                 subject.lora))
         prefill.append(t_prefill)
         decode.append(t_decode)
     emitted = int(np.asarray(distributed.rows_to_local(chunk.emitted) if rules
@@ -226,14 +230,17 @@ class _StepRunner:
 
 
 def grpo_step(subject: Subject, steps: int, prompt_tokens: int,
-              remat_policies: list[str] = ()) -> dict:
+              remat_policies: list[str] = (), trace=contextlib.nullcontext) -> dict:
     """Seconds per GRPO step and per phase: the first (compiling) step apart, then the median of
     `steps` steps, with each phase's tokens per second; then, for each of `remat_policies`, the
-    last step's update under that policy, timed `steps` times (`_StepRunner.compare_remat`)."""
+    last step's update under that policy, timed `steps` times (`_StepRunner.compare_remat`).
+    The last timed step runs inside `trace()`."""
     cfg = subject.cfg
     runner = _StepRunner(subject, prompt_tokens)
     first = runner.step(0)
-    runs = [runner.step(i) for i in range(1, steps + 1)]
+    runs = [runner.step(i) for i in range(1, steps)]
+    with trace():
+        runs.append(runner.step(steps))
     median = {k: statistics.median(r[k] for r in runs) for k in first}
     rows, n = len(runner.rows), cfg.sampling.max_new_tokens
     width = runner.batch.tokens.shape[1]

@@ -24,6 +24,10 @@ rows decode their full length.
           requests of mixed prompt and completion lengths; --static adds the same workload on
           static batches for comparison
 
+--profile DIR traces the last timed call (of each batch for sample, the last step for step)
+with jax.profiler into DIR (read it with TensorBoard's profile plugin, XProf or Perfetto) and
+prints the device's time in it by program and operation, the most costly first.
+
 Peaks are the published figures of known accelerators (H100, H200, A100, L4, RTX 4090, TPU v4,
 v5e, v5p, v6e) or, on a CPU, a streaming read and a matmul measured on the spot. Peak memory is
 each compiled program's (XLA's memory analysis: arguments + outputs - donated + temporaries)
@@ -53,6 +57,10 @@ def register(sub) -> None:
     common.add_argument("--prompt-tokens", type=int, metavar="N",
                         help="prompt length in tokens (default: data.max_prompt_tokens)")
     common.add_argument("--out", metavar="FILE", help="append one JSON line per result")
+    common.add_argument("--profile", metavar="DIR",
+                        help="trace the last timed call (sample: of each batch, into DIR/"
+                        "batch-B; step: the last step) with jax.profiler and print the "
+                        "device's time by program and operation (not for engine)")
     common.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides")
     sample = modes.add_parser("sample", parents=[common], help="prefill and decode tokens/s")
     sample.add_argument("--batches", metavar="B,B,...",
@@ -128,6 +136,8 @@ def _check(args, cfg) -> None:
                                  f"{args.group}")
     if args.mode == "step":
         _policies(args)
+    if args.mode == "engine" and args.profile:
+        raise UsageError("--profile traces jaxrl bench sample and step, not engine")
     if args.mode == "sample" and cfg.sampling.max_new_tokens < 2:
         raise UsageError("jaxrl bench sample times decode steps after the first token: set "
                          f"sampling.max_new_tokens to at least 2; got "
@@ -157,20 +167,51 @@ def _bench(args) -> int:
             "peaks": None if peaks is None else vars(peaks)}
     print(_header(info, subject.spec))
     if args.mode == "sample":
-        rows = [runs.sample_batch(subject, b, prompt_tokens, args.repeats, peaks, args.group)
+        rows = [runs.sample_batch(subject, b, prompt_tokens, args.repeats, peaks, args.group,
+                                  _trace(args, f"batch-{b}"))
                 for b in _batches(args, cfg)]
     elif args.mode == "step":
-        rows = [runs.grpo_step(subject, args.steps, prompt_tokens, _policies(args))]
+        rows = [runs.grpo_step(subject, args.steps, prompt_tokens, _policies(args),
+                               _trace(args, "step"))]
     else:
         mean = args.mean_new_tokens or max(1.0, cfg.sampling.max_new_tokens / 4)
         rows = runs.engine(subject, args.requests, mean, prompt_tokens, args.static)
     print(TABLES[args.mode](rows))
+    if args.profile:
+        _print_profiles(args, rows)
     if args.out:
         when = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         with open(args.out, "a", encoding="utf-8") as f:
             for row in rows:
                 f.write(json.dumps({**info, "time": when, **row}) + "\n")
     return 0
+
+
+def _trace(args, name: str):
+    """The context a timed call runs in: a profile into --profile/NAME, or nothing."""
+    import contextlib
+    import functools
+    from pathlib import Path
+
+    from jaxrl.bench.profile import traced
+
+    if not args.profile:
+        return contextlib.nullcontext
+    return functools.partial(traced, Path(args.profile) / name)
+
+
+def _print_profiles(args, rows: list[dict]) -> None:
+    """Each traced call's device time by program and op, also into its result row."""
+    from pathlib import Path
+
+    from jaxrl.bench.profile import op_table, op_times
+
+    for row in rows:
+        name = f"batch-{row['batch']}" if args.mode == "sample" else "step"
+        directory = Path(args.profile) / name
+        row["profile"] = {"dir": str(directory), "ops": op_times(directory)}
+        print(f"\ndevice time of the traced call ({directory}):")
+        print(op_table(row["profile"]["ops"]))
 
 
 def _header(info: dict, spec) -> str:

@@ -16,6 +16,7 @@ out: the sampler and the reference pass run without a key.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -279,9 +280,8 @@ def compile_reference(spec: ModelSpec, opts: StepOptions,
     None for one device."""
     placed = {} if shardings is None else {"in_shardings": shardings[0],
                                            "out_shardings": shardings[1]}
-    return jax.jit(lambda params, tokens, positions, mask: reference_logprobs(
-        params, tokens, positions, mask, spec=spec, opts=opts, width=width, share=share),
-        **placed)
+    return jax.jit(functools.partial(reference_logprobs, spec=spec, opts=opts, width=width,
+                                     share=share), **placed)
 
 
 def jit_step(step, shardings: tuple[Any, Any] | None = None):
@@ -301,5 +301,5 @@ def compile_train_step(spec: ModelSpec, optimizer: optax.GradientTransformation,
         from jaxrl.rl.remat import AutoRematStep
 
         return AutoRematStep(spec, optimizer, opts, shardings)
-    return jit_step(lambda state, params, batch: train_step(
-        state, params, batch, spec=spec, optimizer=optimizer, opts=opts), shardings)
+    return jit_step(functools.partial(train_step, spec=spec, optimizer=optimizer, opts=opts),
+                    shardings)

@@ -11,6 +11,7 @@ LoRA dropout, whose masks are drawn per micro-batch: `dropout_key` in train_step
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -74,8 +75,7 @@ def sft_step(state: TrainState, params, batch: SftBatch, *, spec: ModelSpec,
 
 def compile_sft_step(spec: ModelSpec, optimizer: optax.GradientTransformation,
                      opts: SftOptions = SftOptions()):
-    return jit_step(lambda state, params, batch: sft_step(
-        state, params, batch, spec=spec, optimizer=optimizer, opts=opts))
+    return jit_step(functools.partial(sft_step, spec=spec, optimizer=optimizer, opts=opts))
 
 
 def compile_eval_loss(spec: ModelSpec, opts: SftOptions = SftOptions()):

@@ -1,5 +1,7 @@
 """`jaxrl bench`: a decode step's bytes and FLOPs by hand, random weights in the run's layout,
-and the command's tables and JSON lines on a tiny architecture."""
+the device time of a trace by hand, and the command's tables, JSON lines and profiles on a tiny
+architecture."""
+import gzip
 import json
 
 import jax
@@ -8,6 +10,7 @@ import numpy as np
 import pytest
 
 from jaxrl.bench.limits import decode_cost, prefill_cost
+from jaxrl.bench.profile import op_times
 from jaxrl.bench.subject import random_params
 from jaxrl.cli import main
 from jaxrl.config import load_config
@@ -113,13 +116,18 @@ def test_bench_sample_decodes_groups_in_blocks_sharing_their_prompt(architecture
                                                                     capsys):
     out = tmp_path / "bench.jsonl"
     assert main(["bench", "sample", "--batches", "4", "--group", "2", "--prompt-tokens", "5",
-                 "--repeats", "1", "--out", str(out), f"model.path={architecture}",
-                 "sampling.max_new_tokens=4"]) == 0
+                 "--repeats", "1", "--out", str(out), "--profile", str(tmp_path / "prof"),
+                 f"model.path={architecture}", "sampling.max_new_tokens=4"]) == 0
     (r,) = [json.loads(line) for line in out.read_text().splitlines()]
     assert (r["batch"], r["group"], r["slots"]) == (4, 2, 4)
     assert r["prefill_tok_s"] == pytest.approx(2 * 5 / r["prefill_s"])  # 2 prompts prefilled
     assert r["decode_tok_s"] == pytest.approx(4 * 3 / r["decode_s"])
-    assert "| 4 | 2 | 5 | 4 |" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "| 4 | 2 | 5 | 4 |" in text
+    # the last call traced: both engine programs ran once in it
+    assert r["profile"]["dir"] == str(tmp_path / "prof" / "batch-4")
+    ran = {op["program"] for op in r["profile"]["ops"]}
+    assert {"admit", "generate"} <= ran and "| generate |" in text
 
 
 def test_bench_engine_with_static_batches(architecture, tmp_path, capsys):
@@ -137,7 +145,8 @@ def test_bench_engine_with_static_batches(architecture, tmp_path, capsys):
 def test_bench_step_times_phases_and_each_remat_policy(architecture, tmp_path, capsys):
     out = tmp_path / "bench.jsonl"
     assert main(["bench", "step", "--steps", "1", "--compare-remat", "none,full",
-                 "--prompt-tokens", "6", "--out", str(out), f"model.path={architecture}",
+                 "--prompt-tokens", "6", "--out", str(out), "--profile", str(tmp_path / "prof"),
+                 f"model.path={architecture}",
                  "data.prompts_per_step=2", "grpo.num_generations=2", "sampling.max_new_tokens=4",
                  "optim.remat=dots"]) == 0
     (row,) = [json.loads(line) for line in out.read_text().splitlines()]
@@ -150,6 +159,8 @@ def test_bench_step_times_phases_and_each_remat_policy(architecture, tmp_path, c
     assert all(len(c["runs_s"]) == 1 and c["update_s"] > 0 for c in row["remat_compare"])
     text = capsys.readouterr().out
     assert "optim.remat: dots" in text and "| none |" in text and "| full |" in text
+    assert {op["program"] for op in row["profile"]["ops"]} >= {"generate", "reference_logprobs",
+                                                          "train_step"}
 
 
 @pytest.mark.parametrize("args,message", [
@@ -163,7 +174,31 @@ def test_bench_step_times_phases_and_each_remat_policy(architecture, tmp_path, c
     (["step", "--compare-remat", "none,full,none"],
      "--compare-remat names each policy once; got none,full,none"),
     (["sample", "model.path=/nowhere/Mystery-7B"], "qwen3-4b"),
+    (["engine", "--profile", "p"], "--profile traces jaxrl bench sample and step, not engine"),
 ])
 def test_bad_usage_exits_2_naming_it(args, message, capsys):
     assert main(["bench", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_device_time_by_program_and_op_from_a_trace(tmp_path):
+    """Durations (us) of a hand-made trace: a while thunk spans the ops inside it and is left
+    out, and so are events that name no program (host work)."""
+    def op(module, name, dur, hlo_op=None):
+        return {"ph": "X", "name": name, "dur": dur, "ts": 0, "pid": 1, "tid": 1,
+                "args": {"hlo_module": module, "hlo_op": hlo_op or name}}
+    events = [op("jit_generate", "fusion.1", 300.0), op("jit_generate", "fusion.1", 100.0),
+              op("jit_generate", "dot.2", 100.0), op("jit_generate", "while.3", 900.0),
+              op("jit_admit", "gemm_fusion", 50.0, hlo_op="command_buffer_1"),
+              {"ph": "X", "name": "PjitFunction(jit(generate))", "dur": 1e6, "ts": 0,
+               "pid": 1, "tid": 2, "args": {}}]
+    folder = tmp_path / "plugins" / "profile" / "2026_01_01_00_00_00"
+    folder.mkdir(parents=True)
+    with gzip.open(folder / "perfetto_trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    rows = op_times(tmp_path)
+    assert [(r["program"], r["op"], r["calls"]) for r in rows] == [
+        ("generate", "fusion.1", 2), ("generate", "dot.2", 1), ("admit", "gemm_fusion", 1)]
+    assert [r["ms"] for r in rows] == pytest.approx([0.4, 0.1, 0.05])
+    assert [r["share"] for r in rows] == pytest.approx([0.8, 0.2, 1.0])
+    assert rows[0]["mean_us"] == pytest.approx(200.0)
