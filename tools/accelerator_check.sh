@@ -95,8 +95,10 @@ else
   mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n 1)
   cap=()
   if [ "${mib:-0}" -gt 32768 ] 2>/dev/null; then
-    cap=(env "XLA_PYTHON_CLIENT_MEM_FRACTION=$(python -c "print(round(0.9 * 32768 / $mib, 4))")")
-    echo "bench_step: XLA's memory capped at 28.8 GiB of this card's $mib MiB (${cap[1]})"
+    # jax refuses the deprecated XLA_PYTHON_CLIENT_MEM_FRACTION beside XLA_CLIENT_MEM_FRACTION
+    cap=(env -u XLA_PYTHON_CLIENT_MEM_FRACTION
+         "XLA_CLIENT_MEM_FRACTION=$(python -c "print(round(0.9 * 32768 / $mib, 4))")")
+    echo "bench_step: XLA's memory capped at 28.8 GiB of this card's $mib MiB (${cap[3]})"
   fi
   run_step bench_step "${cap[@]}" python -m jaxrl.cli bench step \
     --config configs/cedar_qwen3_4b_1gpu.yaml --steps 1 --out "$out/bench.jsonl" model.path=qwen3-4b
