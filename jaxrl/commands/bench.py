@@ -38,9 +38,12 @@ compile times.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import functools
 import json
 import sys
+from pathlib import Path
 
 from jaxrl.devices import GIB
 
@@ -168,11 +171,11 @@ def _bench(args) -> int:
     print(_header(info, subject.spec))
     if args.mode == "sample":
         rows = [runs.sample_batch(subject, b, prompt_tokens, args.repeats, peaks, args.group,
-                                  _trace(args, f"batch-{b}"))
+                                  _trace(args, b))
                 for b in _batches(args, cfg)]
     elif args.mode == "step":
         rows = [runs.grpo_step(subject, args.steps, prompt_tokens, _policies(args),
-                               _trace(args, "step"))]
+                               _trace(args))]
     else:
         mean = args.mean_new_tokens or max(1.0, cfg.sampling.max_new_tokens / 4)
         rows = runs.engine(subject, args.requests, mean, prompt_tokens, args.static)
@@ -187,28 +190,26 @@ def _bench(args) -> int:
     return 0
 
 
-def _trace(args, name: str):
-    """The context a timed call runs in: a profile into --profile/NAME, or nothing."""
-    import contextlib
-    import functools
-    from pathlib import Path
+def _profile_dir(args, batch: int) -> Path:
+    """Where the traced call of a result goes: --profile/batch-B (sample) or --profile/step."""
+    return Path(args.profile) / (f"batch-{batch}" if args.mode == "sample" else "step")
 
-    from jaxrl.bench.profile import traced
 
+def _trace(args, batch: int = 0):
+    """The context a timed call runs in: a profile into `_profile_dir`, or nothing."""
     if not args.profile:
         return contextlib.nullcontext
-    return functools.partial(traced, Path(args.profile) / name)
+    from jaxrl.bench.profile import traced
+
+    return functools.partial(traced, _profile_dir(args, batch))
 
 
 def _print_profiles(args, rows: list[dict]) -> None:
     """Each traced call's device time by program and op, also into its result row."""
-    from pathlib import Path
-
     from jaxrl.bench.profile import op_table, op_times
 
     for row in rows:
-        name = f"batch-{row['batch']}" if args.mode == "sample" else "step"
-        directory = Path(args.profile) / name
+        directory = _profile_dir(args, row.get("batch", 0))
         row["profile"] = {"dir": str(directory), "ops": op_times(directory)}
         print(f"\ndevice time of the traced call ({directory}):")
         print(op_table(row["profile"]["ops"]))

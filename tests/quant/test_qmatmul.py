@@ -6,6 +6,7 @@ import pytest
 from jaxrl.quant.nf4 import QTensor, dequantize_np, quantize_np
 from jaxrl.quant.qmatmul import FORMS, matmul_form, qmatmul
 
+
 @pytest.mark.parametrize("form", FORMS)
 def test_hand_worked_two_blocks(form):
     # Block size 2, one column. Rows 0..3 hold NF4 codes 15, 0, 7, 15 (levels 1, -1, 0, 1):
