@@ -12,6 +12,7 @@ from typing import Sequence
 
 from jaxrl import __version__
 from jaxrl.commands import UsageError
+from jaxrl.hostmem import keep_freed_memory_on_cpu
 
 DESCRIPTION = """GRPO post-training in JAX: LoRA adapters over NF4 base weights.
 
@@ -72,6 +73,7 @@ def enable_compilation_cache() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    keep_freed_memory_on_cpu()  # before JAX starts its threads (jaxrl/hostmem.py)
     args = build_parser().parse_args(argv)
     enable_compilation_cache()
     try:

@@ -1,0 +1,53 @@
+"""jaxrl.hostmem: when the jaxrl command keeps freed host memory, and that a program's second
+call then faults in no fresh pages for its temporaries."""
+import subprocess
+import sys
+
+import pytest
+
+from jaxrl import hostmem
+
+# A program with a 64 MiB temporary (above glibc's largest mmap threshold, 32 MiB), called
+# three times; prints the minor page faults of the last call.
+SCRIPT = """
+import resource, sys
+if sys.argv[1] == "keep":
+    from jaxrl.hostmem import keep_freed_memory
+    assert keep_freed_memory()
+import jax, jax.numpy as jnp
+x, w = jnp.ones((256, 64)), jnp.ones((64, 65536))
+f = jax.jit(lambda x, w: jnp.sum(jnp.exp(x @ w), axis=0))
+for _ in range(3):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    f(x, w).block_until_ready()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.parametrize("platforms, plugins, cpu", [
+    ("", [], True), ("cpu", ["xla_cuda12"], True), (" CPU,cuda", [], True),
+    ("", ["xla_cuda12"], False), ("", ["libtpu"], False), ("cuda,cpu", [], False),
+    ("tpu", [], False)])
+def test_the_cpu_is_the_platform_jax_will_take(platforms, plugins, cpu):
+    assert hostmem.runs_on_cpu(platforms, plugins) is cpu
+
+
+def test_it_is_left_alone_when_asked_or_off_the_cpu(monkeypatch):
+    monkeypatch.setenv(hostmem.ENV, "0")
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    assert not hostmem.keep_freed_memory_on_cpu()
+    monkeypatch.setenv(hostmem.ENV, "1")
+    monkeypatch.setenv("JAX_PLATFORMS", "tpu")
+    assert not hostmem.keep_freed_memory_on_cpu()
+
+
+@pytest.mark.skipif(hostmem._glibc() is None, reason="glibc's malloc only")
+def test_a_second_call_reuses_the_freed_temporaries():
+    def faults(mode):
+        out = subprocess.run([sys.executable, "-c", SCRIPT, mode], capture_output=True,
+                             text=True, check=True, env={"JAX_PLATFORMS": "cpu",
+                                                         "PATH": "/usr/bin:/bin"})
+        return int(out.stdout.split()[-1])
+    default, kept = faults("default"), faults("keep")
+    assert default > 64 * 2**20 // 4096 // 2  # at least half the temporary faulted in again
+    assert kept < default // 10
