@@ -351,11 +351,14 @@ def next_token(keys: jax.Array, logits: jax.Array, settings: RowSettings,
     is_greedy = settings.temperature == 0
     temperature = jnp.where(is_greedy, 1.0, settings.temperature)[:, None]
     adjusted = adjust_logits(logits, settings, history)
-    best = greedy(adjusted, top_k)
-    token = jax.lax.cond(
-        jnp.all(is_greedy), lambda: best,
-        lambda: jnp.where(is_greedy, best, categorical(
-            keys, filter_logits(adjusted / temperature, settings, top_k))))
+    def draw():
+        return categorical(keys, filter_logits(adjusted / temperature, settings, top_k))
+
+    def some_greedy():
+        best = greedy(adjusted, top_k)
+        return jax.lax.cond(jnp.all(is_greedy), lambda: best,
+                            lambda: jnp.where(is_greedy, best, draw()))
+    token = jax.lax.cond(jnp.any(is_greedy), some_greedy, draw)  # no top-k when none is
     scaled = logits / temperature
     lse = jax.nn.logsumexp(scaled, axis=-1)  # [B]
     k = min(MAX_TOP_LOGPROBS, logits.shape[-1])
