@@ -351,6 +351,7 @@ def next_token(keys: jax.Array, logits: jax.Array, settings: RowSettings,
     is_greedy = settings.temperature == 0
     temperature = jnp.where(is_greedy, 1.0, settings.temperature)[:, None]
     adjusted = adjust_logits(logits, settings, history)
+
     def draw():
         return categorical(keys, filter_logits(adjusted / temperature, settings, top_k))
 
