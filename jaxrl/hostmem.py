@@ -4,18 +4,20 @@ XLA:CPU allocates each call's temporary buffer with malloc and frees it when the
 the default model's GRPO update 1.9 GB, the reference pass 0.9 GB, the decode 0.6 GB. glibc
 serves an allocation above its mmap threshold (at most 32 MB), or one that a worker thread's own
 arena cannot hold, with a fresh `mmap` and hands it back with `munmap` on free, so every call
-faults its pages in again, one 4 KiB page at a time, each zeroed by the kernel: the update of
-`tools/bench_grpo_step.py`'s setup took ~600,000 page faults a step, and a call that writes a
-201 MB logits array spent 0.19 s of its 0.49 s in the kernel.
+faults its pages in again, one 4 KiB page at a time, each zeroed by the kernel: a `jaxrl bench
+step` process of `tools/bench_grpo_step.py`'s setup (four steps) took 2.5 million page faults,
+and a call that writes a 201 MB logits array spent 0.19 s of its 0.49 s in the kernel.
 
 `keep_freed_memory()` tells glibc's malloc (`mallopt`) to serve every thread from the main
 arena, never to use mmap for an allocation, and never to trim the heap: a freed buffer stays in
-the process and the next call of the same program reuses its pages without a fault. The
-process's resident memory then stays at its peak, as a caching allocator's does. The `jaxrl`
-command calls it when JAX will run on the CPU (no accelerator plugin installed, or
-JAX_PLATFORMS naming cpu first) and glibc is the C library, before JAX starts its threads;
-JAXRL_KEEP_FREED_MEMORY=0 leaves malloc as it is. Code that drives jaxrl from Python can call
-it itself, before its first JAX computation.
+the process and the next call of the same program reuses its pages without a fault. The price
+is resident memory: the process keeps everything it ever freed, and the heap fragments, so the
+quickstart peaked at 9.1 GB resident against 3.9 GB without it (while taking 2:54 against
+3:06), most of it reached before the first step ended. So it is opt-in: with
+JAXRL_KEEP_FREED_MEMORY=1 the `jaxrl` command calls it when JAX will run on the CPU (no
+accelerator plugin installed, or JAX_PLATFORMS naming cpu first) and glibc is the C library,
+before JAX starts its threads (docs/benchmarks.md, "Host memory kept between calls"). Code
+that drives jaxrl from Python can call it itself, before its first JAX computation.
 """
 from __future__ import annotations
 
@@ -78,8 +80,8 @@ def keep_freed_memory() -> bool:
 
 
 def keep_freed_memory_on_cpu() -> bool:
-    """`keep_freed_memory()` when JAX will run on the CPU and JAXRL_KEEP_FREED_MEMORY is not
-    0; True when it applied."""
-    if os.environ.get(ENV, "1").strip() == "0" or not runs_on_cpu():
+    """`keep_freed_memory()` when JAXRL_KEEP_FREED_MEMORY is 1 and JAX will run on the CPU;
+    True when it applied."""
+    if os.environ.get(ENV, "0").strip() != "1" or not runs_on_cpu():
         return False
     return keep_freed_memory()

@@ -1,4 +1,4 @@
-"""jaxrl.hostmem: when the jaxrl command keeps freed host memory, and that a program's second
+"""jaxrl.hostmem: when the jaxrl command keeps freed host memory (opt-in), and that a program's second
 call then faults in no fresh pages for its temporaries."""
 import subprocess
 import sys
@@ -32,9 +32,11 @@ def test_the_cpu_is_the_platform_jax_will_take(platforms, plugins, cpu):
     assert hostmem.runs_on_cpu(platforms, plugins) is cpu
 
 
-def test_it_is_left_alone_when_asked_or_off_the_cpu(monkeypatch):
-    monkeypatch.setenv(hostmem.ENV, "0")
+def test_it_is_left_alone_unless_asked_for_on_the_cpu(monkeypatch):
+    monkeypatch.delenv(hostmem.ENV, raising=False)
     monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    assert not hostmem.keep_freed_memory_on_cpu()
+    monkeypatch.setenv(hostmem.ENV, "0")
     assert not hostmem.keep_freed_memory_on_cpu()
     monkeypatch.setenv(hostmem.ENV, "1")
     monkeypatch.setenv("JAX_PLATFORMS", "tpu")
