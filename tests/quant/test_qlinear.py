@@ -12,8 +12,9 @@ from jaxrl.model.families import spec_from_hf_config
 from jaxrl.model.kv_cache import init_cache
 from jaxrl.model.params import count_params, declare
 from jaxrl.model.transformer import forward, positions_from_mask
-from jaxrl.quant.nf4 import QTensor, dequantize, quantized_bytes_per_param
-from jaxrl.quant.qparams import abstract_quantized_params, quantized_paths, resident_bytes
+from jaxrl.quant.nf4 import QTensor, dequantize, quantize_np, quantized_bytes_per_param
+from jaxrl.quant.qparams import (abstract_quantized_params, dequantize_params, quantized_paths,
+                                 resident_bytes)
 from tests.tiny_models import make_model, padded_batch
 
 NF4 = QuantConfig(mode="nf4", double_quant=True)
@@ -57,6 +58,25 @@ def test_forward_on_nf4_equals_forward_on_its_dequantized_weights(tiny_dir):
     _, fp = load_params(tiny_dir)
     full = _logits(spec, fp, tokens, mask)
     assert np.abs(got - full)[mask].max() > 1e-3  # quantization did change the weights
+
+
+def test_dequantizing_at_load_is_one_program_with_no_kernel_sized_temporaries(tiny_dir):
+    # quant.dequantize "once" (the CPU's default): the same kernels as dequantizing each tensor
+    # op by op, compiled as one program whose selects and scaling fuse. Op by op, the unpacked
+    # codes, sixteen candidate levels and fifteen selects are each a kernel-sized float32 array;
+    # compiled, the one temporary left is the unpacked codes, a byte per parameter.
+    spec, qparams = load_params(tiny_dir, quant=NF4)
+    dense = dequantize_params(qparams, jnp.dtype(jnp.bfloat16))
+    by_op = jax.tree_util.tree_map(
+        lambda x: dequantize(x, jnp.bfloat16) if isinstance(x, QTensor) else x, qparams,
+        is_leaf=lambda x: isinstance(x, QTensor))
+    for got, want in zip(jax.tree_util.tree_leaves(dense), jax.tree_util.tree_leaves(by_op)):
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    kernel = quantize_np(np.random.RandomState(0).randn(4, 512, 1024).astype(np.float32),
+                         double_quant=True)
+    compiled = dequantize_params.lower({"k": kernel}, jnp.dtype(jnp.bfloat16)).compile()
+    assert compiled.memory_analysis().temp_size_in_bytes <= 4 * 512 * 1024  # 2 MiB measured
 
 
 def test_abstract_quantized_params_match_loaded_ones(tiny_dir):
