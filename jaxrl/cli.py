@@ -73,7 +73,7 @@ def enable_compilation_cache() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    keep_freed_memory_on_cpu()  # opt-in, before JAX starts its threads (jaxrl/hostmem.py)
+    keep_freed_memory_on_cpu()  # before JAX starts its threads (jaxrl/hostmem.py)
     args = build_parser().parse_args(argv)
     enable_compilation_cache()
     try:

@@ -1,5 +1,5 @@
-"""jaxrl.hostmem: when the jaxrl command keeps freed host memory (opt-in), and that a program's second
-call then faults in no fresh pages for its temporaries."""
+"""jaxrl.hostmem: when the jaxrl command keeps freed host memory (on the CPU unless turned off), and
+that a program's second call then faults in no fresh pages for its temporaries."""
 import subprocess
 import sys
 
@@ -32,15 +32,20 @@ def test_the_cpu_is_the_platform_jax_will_take(platforms, plugins, cpu):
     assert hostmem.runs_on_cpu(platforms, plugins) is cpu
 
 
-def test_it_is_left_alone_unless_asked_for_on_the_cpu(monkeypatch):
+def test_it_is_on_for_the_cpu_unless_turned_off(monkeypatch):
+    calls = []
+    monkeypatch.setattr(hostmem, "keep_freed_memory", lambda: calls.append(1) or True)
     monkeypatch.delenv(hostmem.ENV, raising=False)
-    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
-    assert not hostmem.keep_freed_memory_on_cpu()
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    assert hostmem.keep_freed_memory_on_cpu() and calls == [1]
+    monkeypatch.setenv(hostmem.ENV, "1")
+    assert hostmem.keep_freed_memory_on_cpu() and calls == [1, 1]
     monkeypatch.setenv(hostmem.ENV, "0")
     assert not hostmem.keep_freed_memory_on_cpu()
-    monkeypatch.setenv(hostmem.ENV, "1")
+    monkeypatch.delenv(hostmem.ENV)
     monkeypatch.setenv("JAX_PLATFORMS", "tpu")
     assert not hostmem.keep_freed_memory_on_cpu()
+    assert calls == [1, 1]
 
 
 @pytest.mark.skipif(hostmem._glibc() is None, reason="glibc's malloc only")
