@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxrl.hf.load import load_params
-from jaxrl.model.transformer import forward
+from jaxrl.model.transformer import forward, lm_logits
 from jaxrl.sampling import Decoding, Engine, Request
 from jaxrl.sampling import programs as engine_programs
 from jaxrl.sampling.requests import row_keys
@@ -204,3 +204,14 @@ def test_shared_blocks_refuse_what_they_cannot_hold(tiny):
         engine.submit_group([Request([1, 2, 3], hold=True)] * 2)
     with pytest.raises(ValueError, match="whole blocks"):
         Engine(params, spec, slots=6, capacity=32, share=4, prompt_capacity=16)
+
+
+def test_decode_logits_are_the_heads_logits(tiny):
+    # on one CPU device with a tied head the decode step's logits come from the vocab-major
+    # product [V, E] x [S, E] -> [V, S], transposed: the same numbers as the head's [S, V]
+    _, spec, params = tiny
+    h = jnp.asarray(np.random.RandomState(0).randn(5, spec.hidden_size), jnp.float32)
+    got = jax.jit(engine_programs.decode_logits, static_argnums=(2, 3))(params, h, spec, None)
+    want = lm_logits(params, h, spec)
+    assert got.shape == want.shape == (5, spec.vocab_size) and got.dtype == jnp.float32
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
