@@ -11,7 +11,8 @@ and a call that writes a 201 MB logits array spent 0.19 s of its 0.49 s in the k
 `keep_freed_memory()` tells glibc's malloc (`mallopt`) to serve every thread from the main
 arena, never to use mmap for an allocation, and never to trim the heap: a freed buffer stays in
 the process and the next call of the same program reuses its pages without a fault. A GRPO step
-of that setup took 5-6% less time (`jaxrl bench step`, taking turns with the default). The price
+of that setup was faster in five rounds of six, by up to 6% where no other load disturbed it,
+and its reference pass in all six (`jaxrl bench step`, taking turns with the default). The price
 is that the process keeps the most it ever held at once, and fragments: `jaxrl bench step` of
 that setup peaked at 3.3-3.6 GB resident against 2.9 GB, the quickstart at 3.26 GB against 3.36
 GB (once its load no longer dequantized op by op, which had left it at 9.1 GB with this
