@@ -14,7 +14,7 @@ the process and the next call of the same program reuses its pages without a fau
 of that setup was faster in five rounds of six, by up to 6% where no other load disturbed it,
 and its reference pass in all six (`jaxrl bench step`, taking turns with the default). The price
 is that the process keeps the most it ever held at once, and fragments: `jaxrl bench step` of
-that setup peaked at 3.3-3.6 GB resident against 2.9 GB, the quickstart at 3.26 GB against 3.36
+that setup peaked at 3.3-3.7 GB resident against 2.9 GB, the quickstart at 3.26 GB against 3.36
 GB (once its load no longer dequantized op by op, which had left it at 9.1 GB with this
 setting: docs/benchmarks.md, "Host memory kept between calls").
 
