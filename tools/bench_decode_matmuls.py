@@ -2,12 +2,15 @@
 process of its own with its own defaults (tools/peers.py), alternating.
 
 A decode step multiplies a few rows (the batch) by every weight of every layer. This times that
-alone: for each of the default model's linear shapes, `--layers` different float32 weights
+alone: for each of the default model's linear shapes, `--layers` different weights of --dtype
 applied in turn to the same [rows, in] input (XLA: a `lax.scan` over the stacked weights, as
-the model runs; torch: a Python loop over separate tensors), fastest of 5 repeats of 5 calls,
-at each row count of `--rows`. FLOP/s = 2 * rows * in * out * layers / time.
+the model runs, bfloat16 ones as their uint16 bits, converted once, with float32 sums, as
+jaxrl/model/transformer.py runs them on the CPU; torch: a Python loop over separate tensors),
+fastest of 5 repeats of 5 calls, at each row count of `--rows`. FLOP/s = 2 * rows * in * out *
+layers / time.
 
     python tools/bench_decode_matmuls.py --torch-python /tmp/trlvenv/bin/python
+    python tools/bench_decode_matmuls.py --torch-python /tmp/trlvenv/bin/python --dtype bfloat16
 """
 from __future__ import annotations
 
@@ -27,6 +30,8 @@ def _args():
     parser.add_argument("--rows", default="16,64,1024", help="row counts (16,64,1024)")
     parser.add_argument("--layers", type=int, default=30, help="weights per shape (30)")
     parser.add_argument("--rounds", type=int, default=2, help="rounds of alternation (2)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="weights and inputs (float32)")
     parser.add_argument("--torch-python", default=sys.executable,
                         help="the Python of an environment with torch")
     parser.add_argument("--worker", nargs=2, metavar=("SYSTEM", "OUT"), help=argparse.SUPPRESS)
@@ -45,35 +50,42 @@ def _best(call, sync) -> float:
     return best
 
 
-def _xla(rows: list[int], layers: int):
+def _xla(rows: list[int], layers: int, dtype: str):
     import jax
     import jax.numpy as jnp
     import numpy as np
 
+    from jaxrl.model.products import product
+    from jaxrl.model.transformer import stacked_bits, unstacked_bits
+
+    def run(x, w):  # w as stacked_bits gives it
+        return jax.lax.scan(lambda acc, wl: (acc + product(x, unstacked_bits(wl)), None),
+                            jnp.zeros((x.shape[0], w.shape[2]), jnp.float32), w)[0]
+
+    run = jax.jit(run)
     rng = np.random.default_rng(0)
     for m in rows:
         for fan_in, fan_out in SHAPES:
-            x = jnp.asarray(rng.standard_normal((m, fan_in), np.float32))
-            w = jnp.asarray(rng.standard_normal((layers, fan_in, fan_out), np.float32))
-            run = jax.jit(lambda x, w: jax.lax.scan(
-                lambda acc, wl: (acc + x @ wl, None), jnp.zeros((x.shape[0], w.shape[2])), w)[0])
+            x = jnp.asarray(rng.standard_normal((m, fan_in)), dtype)
+            w = stacked_bits(jnp.asarray(rng.standard_normal((layers, fan_in, fan_out)), dtype))
             yield m, (fan_in, fan_out), _best(lambda: run(x, w), jax.block_until_ready)
 
 
-def _torch(rows: list[int], layers: int):
+def _torch(rows: list[int], layers: int, dtype: str):
     import torch
 
     torch.set_grad_enabled(False)
     gen = torch.Generator().manual_seed(0)
+    kind = getattr(torch, dtype)
     for m in rows:
         for fan_in, fan_out in SHAPES:
-            x = torch.randn(m, fan_in, generator=gen)
-            ws = [torch.randn(fan_in, fan_out, generator=gen) for _ in range(layers)]
+            x = torch.randn(m, fan_in, generator=gen).to(kind)
+            ws = [torch.randn(fan_in, fan_out, generator=gen).to(kind) for _ in range(layers)]
             yield m, (fan_in, fan_out), _best(lambda: sum(x @ w for w in ws), lambda out: out)
 
 
-def worker(system: str, out: str, rows: list[int], layers: int) -> None:
-    timings = _xla(rows, layers) if system == "xla" else _torch(rows, layers)
+def worker(system: str, out: str, rows: list[int], layers: int, dtype: str) -> None:
+    timings = (_xla if system == "xla" else _torch)(rows, layers, dtype)
     with open(out, "a") as f:
         for m, (fan_in, fan_out), seconds in timings:
             f.write(json.dumps({"rows": m, "in": fan_in, "out": fan_out, "ms": 1e3 * seconds,
@@ -85,15 +97,15 @@ def main() -> None:
     args = _args()
     rows = [int(r) for r in args.rows.split(",")]
     if args.worker:
-        return worker(*args.worker, rows, args.layers)
+        return worker(*args.worker, rows, args.layers, args.dtype)
     from tools.peers import alternate, load_range
 
     script = str(Path(__file__).resolve())
-    common = ["--rows", args.rows, "--layers", str(args.layers)]
+    common = ["--rows", args.rows, "--layers", str(args.layers), "--dtype", args.dtype]
     workers = {"torch": lambda out: [args.torch_python, script, *common, "--worker", "torch", out],
                "xla": lambda out: [sys.executable, script, *common, "--worker", "xla", out]}
     rounds = alternate(workers, args.rounds)
-    print(f"\n{args.layers} float32 weights per shape; ms per pass (GFLOP/s); load "
+    print(f"\n{args.layers} {args.dtype} weights per shape; ms per pass (GFLOP/s); load "
           f"{load_range(rounds)}\n")
     print("| round | rows | in x out | torch | XLA | XLA / torch time |")
     print("| ---: | ---: | --- | ---: | ---: | ---: |")

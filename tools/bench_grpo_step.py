@@ -6,11 +6,14 @@ Setup: SmolLM2-135M-Instruct, LoRA r 16 (alpha 32) on all seven projections, 4 p
 completions of exactly N new tokens (EOS ignored: `jaxrl bench` ignores it, TRL gets
 `min_new_tokens=N`), temperature 1, beta 0.04 (a reference pass every step), one update per
 rollout, no vLLM. TRL: arithmetic records under a short system line as chat prompts (58
-tokens), a trivial reward (distinct characters), fp32 (its default bf16 autocast is slower on
-a CPU) and its other defaults (gradient checkpointing on, torch's threads). jaxrl: `jaxrl bench
-step` on the quickstart config with this setup, base weights unquantized (quant.mode none) in
-each of --dtypes (bfloat16, its default, and float32, TRL's precision here), random prompts as
-long as the longest chat prompt, and each --remat policy.
+tokens), a trivial reward (distinct characters), in each of --trl-precision (fp32; bf16, its
+default autocast, which ran slower than fp32 on a Zen 3 without AVX512-BF16 and faster on a
+Zen 4 with it) and its other defaults (gradient checkpointing on, torch's threads). jaxrl:
+`jaxrl bench step` on the quickstart config with this setup, base weights unquantized
+(quant.mode none) in each of --dtypes (bfloat16, its default, and float32), random prompts as
+long as the longest chat prompt, and each --remat policy. Each jaxrl variant's speed-up is
+against TRL in the like precision (bfloat16 against bf16, float32 against fp32) where that
+was run, else against the first of --trl-precision.
 
 A TRL process trains 1 + --steps steps; a step runs from its `on_step_begin` to its
 `on_step_end`, its sampling is `_generate` and its reference phase the rest of
@@ -21,6 +24,7 @@ step; speed-up = TRL / jaxrl within a round.
     python tools/bench_grpo_step.py --trl-python /tmp/trlvenv/bin/python   # TRL in its venv
     python tools/bench_grpo_step.py --remat auto,full --rounds 3
     python tools/bench_grpo_step.py --dtypes bfloat16,float32 --remat none
+    python tools/bench_grpo_step.py --dtypes bfloat16,float32 --trl-precision bf16,fp32
 """
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ SYSTEM = "You are a careful reasoner."
 PROMPTS, GROUP, RANK, ALPHA, BETA, LR = 4, 4, 16, 32.0, 0.04, 1e-5
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PHASES = ("rollout", "reference", "update")
+LIKE = {"bfloat16": "bf16", "float32": "fp32"}  # jaxrl model.dtype -> TRL precision
 
 
 def _args():
@@ -49,8 +54,9 @@ def _args():
                         "comma-separated (bfloat16)")
     parser.add_argument("--trl-python", default=sys.executable,
                         help="the Python of an environment with trl, peft and datasets")
-    parser.add_argument("--trl-precision", default="fp32", choices=("fp32", "bf16"),
-                        help="TRL: fp32, or GRPOConfig's default bf16 autocast")
+    parser.add_argument("--trl-precision", default="fp32",
+                        help="TRL precisions, comma-separated: fp32 and/or bf16 (GRPOConfig's "
+                        "default autocast) (fp32)")
     return parser.parse_args()
 
 
@@ -148,12 +154,18 @@ def main() -> None:
     args = _args()
     from peers import alternate, load_range
 
+    precisions = args.trl_precision.split(",")
+    if not precisions or any(p not in LIKE.values() for p in precisions):
+        sys.exit(f"--trl-precision takes fp32 and/or bf16, not {args.trl_precision!r}")
     model_dir, prompts, prompt_tokens = _prompts(args.model)
-    spec = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
-    json.dump({"model_dir": model_dir, "prompts": prompts, "new_tokens": args.new_tokens,
-               "steps": args.steps, "precision": args.trl_precision}, spec)
-    spec.close()
-    workers = {"TRL": lambda out: [args.trl_python, __file__, "trl", spec.name, out]}
+    workers = {}
+    for precision in precisions:
+        spec = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
+        json.dump({"model_dir": model_dir, "prompts": prompts, "new_tokens": args.new_tokens,
+                   "steps": args.steps, "precision": precision}, spec)
+        spec.close()
+        workers[f"TRL {precision}"] = (lambda name: lambda out: [
+            args.trl_python, __file__, "trl", name, out])(spec.name)
     variants = [f"{dtype} remat {policy}" for dtype in args.dtypes.split(",")
                 for policy in args.remat.split(",")]
     for name in variants:
@@ -162,26 +174,28 @@ def main() -> None:
     print(f"{model_dir}: {PROMPTS} prompts x G {GROUP}, prompt {prompt_tokens} tokens, "
           f"{args.new_tokens} new tokens; {args.rounds} rounds", flush=True)
     rounds = alternate(workers, args.rounds)
-    header = ["round", f"TRL {args.trl_precision}"]
+    peer = {v: LIKE.get(v.split()[0]) if LIKE.get(v.split()[0]) in precisions else precisions[0]
+            for v in variants}
+    header = ["round", *(f"TRL {p}" for p in precisions)]
     for variant in variants:
-        header += [f"jaxrl {variant}", "speed-up"]
+        header += [f"jaxrl {variant}", f"speed-up vs TRL {peer[variant]}"]
     lines = ["| " + " | ".join(header + ["load"]) + " |", "|" + " ---: |" * (len(header) + 1)]
     ratios = {p: [] for p in variants}
     for i, r in enumerate(rounds, 1):
-        trl = _median_phases(r["TRL"]["rows"][0]["steps"])
-        cells = [str(i), _cell(trl)]
+        trl = {p: _median_phases(r[f"TRL {p}"]["rows"][0]["steps"]) for p in precisions}
+        cells = [str(i), *(_cell(trl[p]) for p in precisions)]
         for variant in variants:
             row = r[f"jaxrl {variant}"]["rows"][0]
             mine = {**row["median_s"]}
-            ratios[variant].append(trl["step"] / mine["step"])
+            ratios[variant].append(trl[peer[variant]]["step"] / mine["step"])
             cells += [f"{_cell(mine)} [{row['remat']}]", f"{ratios[variant][-1]:.2f}x"]
         lines.append("| " + " | ".join(cells + [load_range([r])]) + " |")
     print("\nseconds per step, median of each process's timed steps (rollout + reference + "
           "update); [the remat policy the step ran]; load: 1-minute load average range\n")
     print("\n".join(lines))
     for variant, values in ratios.items():
-        print(f"jaxrl {variant}: speed-up {min(values):.2f}x-{max(values):.2f}x over "
-              f"{len(values)} rounds")
+        print(f"jaxrl {variant}: speed-up against TRL {peer[variant]} {min(values):.2f}x-"
+              f"{max(values):.2f}x over {len(values)} rounds")
 
 
 if __name__ == "__main__":

@@ -55,6 +55,7 @@ def load_subject(cfg: Config, log=lambda message: None) -> Subject:
     from jaxrl import distributed
     from jaxrl.commands.plan import architecture
     from jaxrl.lora.start import start_lora
+    from jaxrl.model.transformer import layer_bits
     from jaxrl.rl.session import load_model
 
     rules = distributed.session_rules(cfg.mesh)
@@ -64,7 +65,7 @@ def load_subject(cfg: Config, log=lambda message: None) -> Subject:
         weights = f"checkpoint {model_dir}"
     else:
         spec = architecture(cfg.model.path)
-        params = random_params(cfg, spec, rules, key)
+        params = layer_bits(random_params(cfg, spec, rules, key))
         weights = f"random weights (architecture of {cfg.model.path})"
     lora = start_lora(cfg, spec, jax.random.fold_in(key, 1 << 20))
     return Subject(cfg, spec, params, lora, rules, weights)

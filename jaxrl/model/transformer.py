@@ -20,6 +20,7 @@ from jaxrl.model.attention import apply_rope, attend, rope_tables
 from jaxrl.model.families import ModelSpec
 from jaxrl.model.kv_cache import KVCache, write_tokens
 from jaxrl.model.params import LINEAR_NAMES
+from jaxrl.model.products import product
 from jaxrl.quant.nf4 import QTensor, as_dense
 from jaxrl.quant.qmatmul import matmul_form, qmatmul
 from jaxrl.sharding import MeshRules, layer_weights, split_rows
@@ -55,6 +56,51 @@ def embed(table: jax.Array, tokens: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
 
 
+def stacked_bits(layers: Params) -> Params:
+    """The stacked layer weights as the layer scan takes them. On the CPU each bfloat16 array
+    goes as its uint16 bit patterns: XLA:CPU converts a bfloat16 stack whole to float32 before
+    a loop slices it, and each slice back to bfloat16 (three passes over the weights per call,
+    and each layer's slice read at twice its bytes); the bits are sliced as they are. Converting
+    a stack to bits inside a program copies it (~15 ms per 53 MB here), so `layer_bits` does it
+    once where a run loads its weights, and the scan takes uint16 arrays as they come: a uint16
+    array among the layers' weights is always a bfloat16 one's bits. The base weights are not
+    differentiated (adapters train); differentiating them through the bits raises rather than
+    give a zero gradient."""
+    if jax.default_backend() != "cpu":
+        return layers
+    return jax.tree_util.tree_map(
+        lambda a: _bits(a) if not _is_q(a) and a.dtype == jnp.bfloat16 else a, layers,
+        is_leaf=_is_q)
+
+
+def unstacked_bits(lp: Params) -> Params:
+    """One layer's slice of `stacked_bits`'s weights, bfloat16 again."""
+    return jax.tree_util.tree_map(
+        lambda a: a if _is_q(a) or a.dtype != jnp.uint16
+        else jax.lax.bitcast_convert_type(a, jnp.bfloat16), lp, is_leaf=_is_q)
+
+
+def layer_bits(params: Params) -> Params:
+    """params with the stacked layers as `stacked_bits` takes them, converted once (outside any
+    program): what a run holds on the CPU. Elsewhere, and for other dtypes, unchanged."""
+    return {**params, "layers": stacked_bits(params["layers"])}
+
+
+def _is_q(x) -> bool:
+    return isinstance(x, QTensor)
+
+
+@jax.custom_jvp
+def _bits(a: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(a, jnp.uint16)
+
+
+@_bits.defjvp
+def _bits_jvp(primals, tangents):
+    raise TypeError("the base weights are scanned as their bits on the CPU and are not "
+                    "differentiable there; differentiate the adapter (LoRA) weights")
+
+
 def linear(x: jax.Array, p: Params) -> jax.Array:
     """x [B, T, in] @ kernel [in, out] (+ bias), accumulated in float32 and rounded once to
     x's dtype; the kernel may be a quantized QTensor, dequantized here with the matmul
@@ -63,13 +109,14 @@ def linear(x: jax.Array, p: Params) -> jax.Array:
     axis, and in the backward pass the column-parallel layers' input gradients) the partial
     sums are reduced across devices in the model's dtype, not in float32; only a decode step's
     NF4 block form, which sums its scale blocks in float32 first, and the GPU's split form,
-    which adds its two matmuls in float32, reduce their partial sums in float32."""
+    which adds its two matmuls in float32, reduce their partial sums in float32, and so does
+    the CPU's bfloat16 product (`jaxrl.model.products`), whose result is float32."""
     kernel = p["kernel"]
     dtype = jnp.float32 if "bias" in p else x.dtype  # a bias is added before the rounding
     if isinstance(kernel, QTensor):  # one token per row (decoding): bound by reading the kernel
         y = qmatmul(x, kernel, form=matmul_form(memory_bound=x.shape[-2] == 1), dtype=dtype)
     else:
-        y = jnp.einsum("...i,io->...o", x, kernel.astype(x.dtype), preferred_element_type=dtype)
+        y = product(x, kernel, dtype=dtype)
     if "bias" in p:
         y = y + p["bias"]
     return y.astype(x.dtype)
@@ -196,7 +243,7 @@ def hidden_states(params: Params, tokens: jax.Array, positions: jax.Array, spec:
 
     def layer(h, xs):
         lp, ll, key, kv = xs
-        lp, ll = layer_weights(many, lp, ll, spec)
+        lp, ll = layer_weights(many, unstacked_bits(lp), ll, spec)
         h = split_rows(many, h)
         attention = (_attention(mask) if kv is None
                      else _cached_attention(mask, kv[:2], prefix=kv[2:] or None))
@@ -210,7 +257,7 @@ def hidden_states(params: Params, tokens: jax.Array, positions: jax.Array, spec:
         kv += (prefix.k, prefix.v)
     policy = REMAT_POLICIES[remat]
     body = layer if policy is None else jax.checkpoint(layer, policy=policy)
-    h, new = jax.lax.scan(body, h, (params["layers"], ll, keys, kv))
+    h, new = jax.lax.scan(body, h, (stacked_bits(params["layers"]), ll, keys, kv))
     h = rms_norm(h, params["norm"]["scale"], spec.rms_norm_eps)
     return h, (None if cache is None else write_tokens(cache, *new))
 
@@ -246,7 +293,7 @@ def prefix_hidden_states(params: Params, tokens: jax.Array, positions: jax.Array
     hc = split_rows(shardings, embed(table, tokens[:, prefix:]))  # [B, N, E]
 
     def layer(carry, xs):
-        lp, ll = layer_weights(shardings, *xs, spec)
+        lp, ll = layer_weights(shardings, unstacked_bits(xs[0]), xs[1], spec)
         proj = projector(lp, ll, lora, None)
         hp, (k, v) = decoder_layer(split_rows(shardings, carry[0]), lp, proj, rope_p, spec,
                                    _attention(mask_p, keep=True))
@@ -257,7 +304,7 @@ def prefix_hidden_states(params: Params, tokens: jax.Array, positions: jax.Array
     ll = None if lora is None else lora.weights["layers"]
     policy = REMAT_POLICIES[remat]
     body = layer if policy is None else jax.checkpoint(layer, policy=policy)
-    (hp, hc), _ = jax.lax.scan(body, (hp, hc), (params["layers"], ll))
+    (hp, hc), _ = jax.lax.scan(body, (hp, hc), (stacked_bits(params["layers"]), ll))
     scale, eps = params["norm"]["scale"], spec.rms_norm_eps
     return rms_norm(hp, scale, eps), rms_norm(hc, scale, eps)
 
@@ -266,9 +313,8 @@ def lm_logits(params: Params, h: jax.Array, spec: ModelSpec) -> jax.Array:
     """Logits [..., V] in float32 from hidden states [..., E]."""
     if spec.tie_word_embeddings:
         w = params["embed_tokens"]["embedding"]  # [V, E]
-        return jnp.einsum("...e,ve->...v", h, w.astype(h.dtype), preferred_element_type=jnp.float32)
-    w = as_dense(params["lm_head"]["kernel"], h.dtype)  # [E, V]
-    return jnp.einsum("...e,ev->...v", h, w, preferred_element_type=jnp.float32)
+        return product(h, w, transposed=True)
+    return product(h, as_dense(params["lm_head"]["kernel"], h.dtype))  # [E, V]
 
 
 def logits_at(logits: jax.Array, ids: jax.Array) -> jax.Array:

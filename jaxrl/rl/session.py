@@ -21,6 +21,7 @@ from jaxrl.hf.tokenizer import (chat_prompt_text, detokenizer, eos_token_ids, lo
                                 text_ids)
 from jaxrl.lora.start import start_lora
 from jaxrl.model.families import load_spec
+from jaxrl.model.transformer import layer_bits
 from jaxrl.quant.qparams import dequantize_strategy
 from jaxrl.rewards.pool import RewardPool, pipelined
 from jaxrl.rl.episodes import Chat
@@ -57,7 +58,8 @@ def step_options(cfg: Config, rules: MeshRules | None = None) -> StepOptions:
 
 def load_model(cfg: Config, rules, log: Callable[[str], None]):
     """(model directory, spec, tokenizer, params as the run holds them: on the mesh of `rules`,
-    dense where quant.dequantize resolves to once)."""
+    dense where quant.dequantize resolves to once, bfloat16 layer weights as their bits on the
+    CPU (`layer_bits`))."""
     model_dir = resolve_model_path(cfg.model.path)
     spec = load_spec(model_dir)
     tokenizer = load_tokenizer(model_dir)
@@ -67,7 +69,7 @@ def load_model(cfg: Config, rules, log: Callable[[str], None]):
     params = distributed.load_params(model_dir, spec, dtype, cfg.quant, rules)
     if dequantize_strategy(cfg.quant) == "once":
         params = distributed.dequantized(params, dtype, spec, rules)
-    return model_dir, spec, tokenizer, params
+    return model_dir, spec, tokenizer, layer_bits(params)
 
 
 def prompt_share_limit(cfg: Config, rules: MeshRules | None, local_rows: int) -> int:
