@@ -241,6 +241,12 @@ def head_rules(rules: MeshRules) -> MeshRules:
     return _remapped(rules, {"batch": batch, "vocab": vocab, "embed": ()})
 
 
+def platform_of(rules: MeshRules | None) -> str:
+    """The platform programs run on: the mesh's devices' (a TPU slice that `jaxrl plan` compiles
+    for from a CPU host included), else the default backend's."""
+    return jax.default_backend() if rules is None else rules.mesh.devices.flat[0].platform
+
+
 def layer_weights(rules: MeshRules | None, lp, ll, spec: ModelSpec):
     """One layer's weights `lp` and adapter `ll` (slices of the stacked layers, QTensors
     included) constrained to `compute_rules`: gathered over the FSDP axes inside the layer

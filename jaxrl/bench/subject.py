@@ -55,7 +55,6 @@ def load_subject(cfg: Config, log=lambda message: None) -> Subject:
     from jaxrl import distributed
     from jaxrl.commands.plan import architecture
     from jaxrl.lora.start import start_lora
-    from jaxrl.model.transformer import layer_bits
     from jaxrl.rl.session import load_model
 
     rules = distributed.session_rules(cfg.mesh)
@@ -65,14 +64,15 @@ def load_subject(cfg: Config, log=lambda message: None) -> Subject:
         weights = f"checkpoint {model_dir}"
     else:
         spec = architecture(cfg.model.path)
-        params = layer_bits(random_params(cfg, spec, rules, key))
+        params = random_params(cfg, spec, rules, key)  # held as `layer_bits` holds them
         weights = f"random weights (architecture of {cfg.model.path})"
     lora = start_lora(cfg, spec, jax.random.fold_in(key, 1 << 20))
     return Subject(cfg, spec, params, lora, rules, weights)
 
 
 def random_params(cfg: Config, spec: ModelSpec, rules: MeshRules | None, key: jax.Array):
-    """Random params with the shapes, dtypes and shardings of `jaxrl plan`'s abstract run:
+    """Random params with the shapes, dtypes and shardings of `jaxrl plan`'s abstract run (on
+    the CPU, bfloat16 layer weights as their bits):
     NF4 codes uniformly random with block scales near 0.05 (the absmax of 64 normal(0.02)
     weights), other matrices normal(0.02), norms 1, biases 0."""
     from jaxrl.commands.plan import abstract_run
@@ -97,6 +97,9 @@ def random_params(cfg: Config, spec: ModelSpec, rules: MeshRules | None, key: ja
 def _random_leaf(path, leaf, key: jax.Array) -> jax.Array:
     name = getattr(path[-1], "name", None) or getattr(path[-1], "key", None)
     shape, dtype = leaf.shape, leaf.dtype
+    if dtype == jnp.uint16:  # a bfloat16 weight held as its bits on the CPU (`layer_bits`)
+        value = _random_leaf(path, jax.ShapeDtypeStruct(shape, jnp.bfloat16), key)
+        return jax.lax.bitcast_convert_type(value, jnp.uint16)
     if dtype == jnp.uint8:  # packed codes, or the 8-bit codes of double-quantized scales
         return jax.random.bits(key, shape, jnp.uint8)
     if name == "scales":

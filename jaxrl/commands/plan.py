@@ -151,6 +151,7 @@ def abstract_run(cfg, spec, rules) -> AbstractRun:
 
     from jaxrl.lora.lora import init_lora
     from jaxrl.model.params import abstract_params
+    from jaxrl.model.transformer import layer_bits
     from jaxrl.quant.qparams import abstract_quantized_params, dequantize_strategy
     from jaxrl.rl.train_step import init_train_state, make_optimizer
     from jaxrl.sharding import abstract, lora_shardings, param_shardings, state_shardings
@@ -160,13 +161,15 @@ def abstract_run(cfg, spec, rules) -> AbstractRun:
     once = dequantize_strategy(cfg.quant, platform) == "once"
     params = (abstract_params(spec, dtype) if once
               else abstract_quantized_params(spec, cfg.quant, dtype))
+    placed = param_shardings(rules, params, spec)
+    params = jax.eval_shape(lambda p: layer_bits(p, platform), params)  # as a run holds them
     lora = jax.eval_shape(lambda key: init_lora(
         spec, key, rank=cfg.lora.rank, alpha=cfg.lora.alpha, targets=cfg.lora.targets,
         dropout=cfg.lora.dropout), jax.random.PRNGKey(0))
     optimizer, _ = make_optimizer(cfg.optim, cfg.run.steps)
     state = jax.eval_shape(lambda adapter: init_train_state(adapter, optimizer), lora)
     shardings = state_shardings(rules, state, optimizer, spec)
-    return AbstractRun(params=abstract(params, param_shardings(rules, params, spec)),
+    return AbstractRun(params=abstract(params, placed),
                        lora=abstract(lora, lora_shardings(rules, lora, spec)),
                        state=abstract(state, shardings), state_shardings=shardings,
                        optimizer=optimizer,

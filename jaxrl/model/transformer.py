@@ -23,7 +23,7 @@ from jaxrl.model.params import LINEAR_NAMES
 from jaxrl.model.products import product
 from jaxrl.quant.nf4 import QTensor, as_dense
 from jaxrl.quant.qmatmul import matmul_form, qmatmul
-from jaxrl.sharding import MeshRules, layer_weights, split_rows
+from jaxrl.sharding import MeshRules, layer_weights, platform_of, split_rows
 
 Params = dict[str, Any]
 
@@ -56,7 +56,7 @@ def embed(table: jax.Array, tokens: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
 
 
-def stacked_bits(layers: Params) -> Params:
+def stacked_bits(layers: Params, platform: str | None = None) -> Params:
     """The stacked layer weights as the layer scan takes them. On the CPU each bfloat16 array
     goes as its uint16 bit patterns: XLA:CPU converts a bfloat16 stack whole to float32 before
     a loop slices it, and each slice back to bfloat16 (three passes over the weights per call,
@@ -65,8 +65,8 @@ def stacked_bits(layers: Params) -> Params:
     once where a run loads its weights, and the scan takes uint16 arrays as they come: a uint16
     array among the layers' weights is always a bfloat16 one's bits. The base weights are not
     differentiated (adapters train); differentiating them through the bits raises rather than
-    give a zero gradient."""
-    if jax.default_backend() != "cpu":
+    give a zero gradient. platform: the programs' (default: the default backend's)."""
+    if (platform or jax.default_backend()) != "cpu":
         return layers
     return jax.tree_util.tree_map(
         lambda a: _bits(a) if not _is_q(a) and a.dtype == jnp.bfloat16 else a, layers,
@@ -80,10 +80,10 @@ def unstacked_bits(lp: Params) -> Params:
         else jax.lax.bitcast_convert_type(a, jnp.bfloat16), lp, is_leaf=_is_q)
 
 
-def layer_bits(params: Params) -> Params:
+def layer_bits(params: Params, platform: str | None = None) -> Params:
     """params with the stacked layers as `stacked_bits` takes them, converted once (outside any
     program): what a run holds on the CPU. Elsewhere, and for other dtypes, unchanged."""
-    return {**params, "layers": stacked_bits(params["layers"])}
+    return {**params, "layers": stacked_bits(params["layers"], platform)}
 
 
 def _is_q(x) -> bool:
@@ -101,7 +101,7 @@ def _bits_jvp(primals, tangents):
                     "differentiable there; differentiate the adapter (LoRA) weights")
 
 
-def linear(x: jax.Array, p: Params) -> jax.Array:
+def linear(x: jax.Array, p: Params, platform: str | None = None) -> jax.Array:
     """x [B, T, in] @ kernel [in, out] (+ bias), accumulated in float32 and rounded once to
     x's dtype; the kernel may be a quantized QTensor, dequantized here with the matmul
     (`qmatmul`), so inside the layer scan, one layer at a time. Without a bias the matmul
@@ -116,17 +116,18 @@ def linear(x: jax.Array, p: Params) -> jax.Array:
     if isinstance(kernel, QTensor):  # one token per row (decoding): bound by reading the kernel
         y = qmatmul(x, kernel, form=matmul_form(memory_bound=x.shape[-2] == 1), dtype=dtype)
     else:
-        y = product(x, kernel, dtype=dtype)
+        y = product(x, kernel, dtype=dtype, backend=platform)
     if "bias" in p:
         y = y + p["bias"]
     return y.astype(x.dtype)
 
 
-def projector(lp: Params, ll: Params | None, lora: Lora | None, rng: jax.Array | None):
+def projector(lp: Params, ll: Params | None, lora: Lora | None, rng: jax.Array | None,
+              platform: str | None = None):
     """proj(name, x): layer linear `name` applied to x, plus its adapter when it has one; the
     result is named "projection" (the one array remat dots saves of it)."""
     def proj(name: str, x: jax.Array) -> jax.Array:
-        y = linear(x, lp[name])
+        y = linear(x, lp[name], platform)
         if ll is not None and name in ll:
             key = None if rng is None else jax.random.fold_in(rng, LINEAR_NAMES.index(name))
             y = y + lora_delta(x, ll[name], lora.scale, lora.dropout, key)
@@ -239,6 +240,7 @@ def hidden_states(params: Params, tokens: jax.Array, positions: jax.Array, spec:
                                axis=2)
     rope = rope_tables(positions, spec)
     many = shardings if t > 1 else None  # the layout of a call with many tokens per row
+    platform = platform_of(shardings)
     h = split_rows(many, embed(params["embed_tokens"]["embedding"], tokens))  # [B, T, E]
 
     def layer(h, xs):
@@ -247,7 +249,7 @@ def hidden_states(params: Params, tokens: jax.Array, positions: jax.Array, spec:
         h = split_rows(many, h)
         attention = (_attention(mask) if kv is None
                      else _cached_attention(mask, kv[:2], prefix=kv[2:] or None))
-        return decoder_layer(h, lp, projector(lp, ll, lora, key), rope, spec, attention)
+        return decoder_layer(h, lp, projector(lp, ll, lora, key, platform), rope, spec, attention)
 
     ll = None if lora is None else lora.weights["layers"]
     use_dropout = lora is not None and lora.dropout > 0 and rng is not None
@@ -257,7 +259,7 @@ def hidden_states(params: Params, tokens: jax.Array, positions: jax.Array, spec:
         kv += (prefix.k, prefix.v)
     policy = REMAT_POLICIES[remat]
     body = layer if policy is None else jax.checkpoint(layer, policy=policy)
-    h, new = jax.lax.scan(body, h, (stacked_bits(params["layers"]), ll, keys, kv))
+    h, new = jax.lax.scan(body, h, (stacked_bits(params["layers"], platform), ll, keys, kv))
     h = rms_norm(h, params["norm"]["scale"], spec.rms_norm_eps)
     return h, (None if cache is None else write_tokens(cache, *new))
 
@@ -291,10 +293,11 @@ def prefix_hidden_states(params: Params, tokens: jax.Array, positions: jax.Array
     table = params["embed_tokens"]["embedding"]
     hp = split_rows(shardings, embed(table, first(tokens)))  # [B / share, P, E]
     hc = split_rows(shardings, embed(table, tokens[:, prefix:]))  # [B, N, E]
+    platform = platform_of(shardings)
 
     def layer(carry, xs):
         lp, ll = layer_weights(shardings, unstacked_bits(xs[0]), xs[1], spec)
-        proj = projector(lp, ll, lora, None)
+        proj = projector(lp, ll, lora, None, platform)
         hp, (k, v) = decoder_layer(split_rows(shardings, carry[0]), lp, proj, rope_p, spec,
                                    _attention(mask_p, keep=True))
         hc, _ = decoder_layer(split_rows(shardings, carry[1]), lp, proj, rope_c, spec,
@@ -304,17 +307,19 @@ def prefix_hidden_states(params: Params, tokens: jax.Array, positions: jax.Array
     ll = None if lora is None else lora.weights["layers"]
     policy = REMAT_POLICIES[remat]
     body = layer if policy is None else jax.checkpoint(layer, policy=policy)
-    (hp, hc), _ = jax.lax.scan(body, (hp, hc), (stacked_bits(params["layers"]), ll))
+    (hp, hc), _ = jax.lax.scan(body, (hp, hc), (stacked_bits(params["layers"], platform), ll))
     scale, eps = params["norm"]["scale"], spec.rms_norm_eps
     return rms_norm(hp, scale, eps), rms_norm(hc, scale, eps)
 
 
-def lm_logits(params: Params, h: jax.Array, spec: ModelSpec) -> jax.Array:
-    """Logits [..., V] in float32 from hidden states [..., E]."""
+def lm_logits(params: Params, h: jax.Array, spec: ModelSpec,
+              platform: str | None = None) -> jax.Array:
+    """Logits [..., V] in float32 from hidden states [..., E]; platform: the program's
+    (`jaxrl.sharding.platform_of`; default: the default backend's)."""
     if spec.tie_word_embeddings:
         w = params["embed_tokens"]["embedding"]  # [V, E]
-        return product(h, w, transposed=True)
-    return product(h, as_dense(params["lm_head"]["kernel"], h.dtype))  # [E, V]
+        return product(h, w, transposed=True, backend=platform)
+    return product(h, as_dense(params["lm_head"]["kernel"], h.dtype), backend=platform)
 
 
 def logits_at(logits: jax.Array, ids: jax.Array) -> jax.Array:

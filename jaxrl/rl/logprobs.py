@@ -27,7 +27,7 @@ from jaxrl.lora.lora import Lora
 from jaxrl.model.families import ModelSpec
 from jaxrl.model.transformer import (Params, hidden_states, lm_logits, logits_at,
                                      prefix_hidden_states)
-from jaxrl.sharding import MeshRules, head_logits
+from jaxrl.sharding import MeshRules, head_logits, platform_of
 
 
 def _chunk_stats(logits: jax.Array, targets: jax.Array, with_entropy: bool):
@@ -113,7 +113,8 @@ def token_logprobs(params: Params, spec: ModelSpec, tokens: jax.Array, positions
         h, _ = hidden_states(params, tokens, positions, spec, attn_mask=attn_mask, lora=lora,
                              rng=rng, remat=remat, shardings=shardings)
         h = h[:, start - 1:-1]
+    platform = platform_of(shardings)
     return chunked_logprobs(h, tokens[:, start:],
-                            lambda x: head_logits(shardings, lm_logits(params, x, spec)),
+                            lambda x: head_logits(shardings, lm_logits(params, x, spec, platform)),
                             chunk=chunk, temperature=temperature, with_entropy=with_entropy,
                             remat=remat != "none")

@@ -62,7 +62,8 @@ from jaxrl.model.transformer import Params, hidden_states, lm_logits
 from jaxrl.sampling.sampling_fns import (MAX_TOP_LOGPROBS, Decoding, History, RowSettings,
                                          next_token)
 from jaxrl.sharding import (MeshRules, cache_shardings, constrain, head_logits, head_rules,
-                            lora_shardings, param_shardings, row_shardings, vocab_top_k)
+                            lora_shardings, param_shardings, platform_of, row_shardings,
+                            vocab_top_k)
 
 
 @struct.dataclass
@@ -94,12 +95,8 @@ class Chunk:
     top_logprobs: jax.Array  # [S, N, MAX_TOP_LOGPROBS] float32
 
 
-def _platform(shardings: MeshRules | None) -> str:
-    return jax.default_backend() if shardings is None else shardings.mesh.devices.flat[0].platform
-
-
 def _cache_dtype(params: Params, shardings: MeshRules | None):
-    return (jnp.float32 if _platform(shardings) == "cpu"
+    return (jnp.float32 if platform_of(shardings) == "cpu"
             else params["embed_tokens"]["embedding"].dtype)
 
 
@@ -110,8 +107,8 @@ def decode_logits(params: Params, h: jax.Array, spec: ModelSpec,
     XLA:CPU's matmul runs the [V, E] table as the long side that way, 7.0 against 10.5 ms for
     [49152, 576] and 16 rows (docs/benchmarks.md, "Where the rollout's time goes"); the barrier
     keeps XLA from folding the transpose back into the product."""
-    if shardings is not None or not spec.tie_word_embeddings or _platform(None) != "cpu":
-        return head_logits(shardings, lm_logits(params, h, spec))
+    if shardings is not None or not spec.tie_word_embeddings or platform_of(None) != "cpu":
+        return head_logits(shardings, lm_logits(params, h, spec, platform_of(shardings)))
     table = params["embed_tokens"]["embedding"]  # [V, E]
     vocab_major = jnp.einsum("ve,se->vs", table.astype(h.dtype), h,
                              preferred_element_type=jnp.float32)
@@ -204,7 +201,8 @@ def admit(state: Slots, params: Params, lora: Lora | None, prompts: jax.Array,
     h, pre = hidden_states(params, prompts, positions, spec, cache=pre, lora=lora,
                            shardings=shardings)
     last = jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [U, E]
-    logits = head_logits(shardings, lm_logits(params, last, spec)[src])  # [M, V]
+    head = lm_logits(params, last, spec, platform_of(shardings))
+    logits = head_logits(shardings, head[src])  # [M, V]
     seen = jax.tree_util.tree_map(lambda a: a[src],
                                   History.of_prompts(prompts, lengths, spec.vocab_size))
     picked = next_token(_fold(keys, 0), logits, settings, seen,
@@ -320,7 +318,8 @@ def extend(state: Slots, params: Params, lora: Lora | None, tokens: jax.Array, s
                              cache=state.cache.replace(index=index), lora=lora,
                              shardings=shardings)
     last = jnp.take_along_axis(h, jnp.maximum(count - 1, 0)[:, None, None], axis=1)[:, 0]
-    logits = head_logits(shardings, lm_logits(params, last, spec))  # [S, V]
+    logits = head_logits(shardings,
+                         lm_logits(params, last, spec, platform_of(shardings)))  # [S, V]
     seen = _appended_history(state.history, tokens, count, spec.vocab_size)
     picked = next_token(_fold(keys, 0), logits, settings, seen,
                         vocab_top_k(shardings, *logits.shape))

@@ -19,6 +19,7 @@ from jaxrl.lora.lora import init_lora
 from jaxrl.model.families import spec_from_hf_config
 from jaxrl.model.kv_cache import init_cache
 from jaxrl.model.params import init_params
+from jaxrl.model.transformer import unstacked_bits
 from jaxrl.quant.nf4 import QTensor, dequantize
 
 TINY = {"model_type": "qwen3", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
@@ -89,9 +90,21 @@ def test_random_weights_take_the_runs_nf4_layout(architecture):
     # in [-1, 1]
     assert 0.03 < np.abs(dense).max() <= (0.05 + 128 * 0.01 / 127) * 1.0001
     assert dense.std() > 0.005
-    np.testing.assert_array_equal(params["layers"]["input_layernorm"]["scale"], 1)
+    norm = unstacked_bits(params["layers"])["input_layernorm"]["scale"]  # bf16, held as bits
+    np.testing.assert_array_equal(np.asarray(norm, np.float32), 1)
     embedding = np.asarray(params["embed_tokens"]["embedding"], np.float32)
     assert embedding.dtype == np.float32 and 0.015 < embedding.std() < 0.025
+
+
+def test_random_bfloat16_weights_are_held_as_their_bits_on_the_cpu(architecture):
+    cfg = load_config(None, [f"model.path={architecture}", "model.dtype=bfloat16",
+                             "quant.mode=none"])
+    params = random_params(cfg, spec_from_hf_config(TINY), None, jax.random.PRNGKey(0))
+    assert params["layers"]["gate_proj"]["kernel"].dtype == jnp.uint16  # `layer_bits`' form
+    layers = unstacked_bits(params["layers"])
+    kernel = np.asarray(layers["gate_proj"]["kernel"], np.float32)
+    assert layers["gate_proj"]["kernel"].dtype == jnp.bfloat16 and 0.015 < kernel.std() < 0.025
+    np.testing.assert_array_equal(np.asarray(layers["input_layernorm"]["scale"], np.float32), 1)
 
 
 def test_bench_sample_prints_a_table_and_writes_json_lines(architecture, tmp_path, capsys):

@@ -119,3 +119,11 @@ def test_weights_held_as_bits_give_the_same_logits_and_decode_without_copying_th
     made = [line for line in fn.lower(held).compile().as_text().splitlines()
             if makes_a_stack(line)]
     assert not made, made  # no stack is bitcast (copied) inside the program
+
+
+def test_other_platforms_keep_bfloat16_weights():
+    _, params = _tiny()
+    for platform in ("gpu", "tpu"):  # e.g. a TPU slice `jaxrl plan` compiles for from a CPU
+        held = layer_bits(params, platform)
+        assert jax.tree_util.tree_all(jax.tree_util.tree_map(
+            lambda a, b: a is b, held["layers"], params["layers"]))
