@@ -23,6 +23,7 @@ from jaxrl.hf.tokenizer import (chat_prompt_ids, chat_prompt_text, detokenizer, 
 from jaxrl.lora.lora import Lora
 from jaxrl.lora.peft_io import load_peft_adapter
 from jaxrl.model.families import ModelSpec
+from jaxrl.model.transformer import layer_bits
 from jaxrl.quant.qparams import dequantize_params, dequantize_strategy
 from jaxrl.sampling.sampler import SampleOutput, sample
 
@@ -68,6 +69,7 @@ def load_pretrained(path: str | Path, adapter: str | Path | None = None,
     spec, params = load_params(model_dir, dtype=jnp.dtype(dtype), quant=qcfg)
     if qcfg is not None and dequantize_strategy(qcfg) == "once":
         params = dequantize_params(params, jnp.dtype(dtype))
+    params = layer_bits(params)  # bf16 layers as their bits on the CPU, as a run holds them
     tokenizer = load_tokenizer(model_dir)
     lora = None if adapter is None else load_peft_adapter(adapter, spec)
     return Pretrained(path=model_dir, spec=spec, params=params, tokenizer=tokenizer,
