@@ -35,7 +35,7 @@ def product(x: jax.Array, w: jax.Array, *, transposed: bool = False,
     w = w.astype(x.dtype)
     if not fast_low_precision(x.dtype, backend):
         spec = "...i,oi->...o" if transposed else "...i,io->...o"
-        return jnp.einsum(spec, x, w, preferred_element_type=dtype).astype(dtype)
+        return jnp.einsum(spec, x, w, preferred_element_type=dtype)
     return _product(x, w, transposed).astype(dtype)
 
 
