@@ -50,11 +50,13 @@ def rope_tables(positions: jax.Array, spec: ModelSpec) -> tuple[jax.Array, jax.A
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """x [B, T, N, D] rotated by the tables [B, T, D]."""
+    """x [B, T, N, D] rotated by the tables [B, T, D], in float32 and rounded once to x's dtype
+    (its gradient too: rotated in x's dtype, a bfloat16 x's backward pass rounded each piece
+    of the rotation, one conversion after another on XLA:CPU)."""
     half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    out = x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
-    return out.astype(x.dtype)
+    xf = x.astype(jnp.float32)
+    rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
+    return (xf * cos[:, :, None, :] + rotated * sin[:, :, None, :]).astype(x.dtype)
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *,

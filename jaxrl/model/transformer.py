@@ -20,7 +20,7 @@ from jaxrl.model.attention import apply_rope, attend, rope_tables
 from jaxrl.model.families import ModelSpec
 from jaxrl.model.kv_cache import KVCache, write_tokens
 from jaxrl.model.params import LINEAR_NAMES
-from jaxrl.model.products import product
+from jaxrl.model.products import fast_low_precision, product
 from jaxrl.quant.nf4 import QTensor, as_dense
 from jaxrl.quant.qmatmul import matmul_form, qmatmul
 from jaxrl.sharding import MeshRules, layer_weights, platform_of, split_rows
@@ -125,12 +125,18 @@ def linear(x: jax.Array, p: Params, platform: str | None = None) -> jax.Array:
 def projector(lp: Params, ll: Params | None, lora: Lora | None, rng: jax.Array | None,
               platform: str | None = None):
     """proj(name, x): layer linear `name` applied to x, plus its adapter when it has one; the
-    result is named "projection" (the one array remat dots saves of it)."""
+    result is named "projection" (the one array remat dots saves of it). On the CPU a bfloat16
+    projection is named (and so saved) as its exact float32 value: the scan stacks the saved
+    arrays of all layers with a dynamic-update-slice, which XLA:CPU does on a bfloat16 stack by
+    converting the whole stack to float32 and back for every layer (a float32 stack it updates
+    in place)."""
     def proj(name: str, x: jax.Array) -> jax.Array:
         y = linear(x, lp[name], platform)
         if ll is not None and name in ll:
             key = None if rng is None else jax.random.fold_in(rng, LINEAR_NAMES.index(name))
             y = y + lora_delta(x, ll[name], lora.scale, lora.dropout, key)
+        if fast_low_precision(y.dtype, platform):
+            return checkpoint_name(y.astype(jnp.float32), "projection").astype(y.dtype)
         return checkpoint_name(y, "projection")
     return proj
 
@@ -163,7 +169,15 @@ def decoder_layer(h: jax.Array, lp: Params, proj, rope, spec: ModelSpec, attenti
     out, kv = attention(*_qkv(x, proj, lp, rope, spec))
     h = h + proj("o_proj", out)
     x = rms_norm(h, lp["post_attention_layernorm"]["scale"], spec.rms_norm_eps)
-    return h + proj("down_proj", jax.nn.silu(proj("gate_proj", x)) * proj("up_proj", x)), kv
+    return h + proj("down_proj", swiglu(proj("gate_proj", x), proj("up_proj", x))), kv
+
+
+def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """silu(gate) * up, silu computed in float32 and rounded once to gate's dtype (as torch's
+    silu kernel rounds a bfloat16 input), then multiplied in the inputs' dtype. jax.nn.silu in
+    bfloat16 rounds each of its steps (negate, exp, add, divide, multiply), in the backward
+    pass too, which XLA:CPU does element by element."""
+    return jax.nn.silu(gate.astype(jnp.float32)).astype(gate.dtype) * up
 
 
 def _attention(mask: jax.Array, keep: bool = False):
