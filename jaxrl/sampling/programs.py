@@ -58,7 +58,7 @@ from flax import struct
 from jaxrl.lora.lora import Lora
 from jaxrl.model.families import ModelSpec
 from jaxrl.model.kv_cache import KVCache, init_cache
-from jaxrl.model.transformer import Params, hidden_states, lm_logits
+from jaxrl.model.transformer import Params, forward_lora, hidden_states, lm_logits
 from jaxrl.sampling.sampling_fns import (MAX_TOP_LOGPROBS, Decoding, History, RowSettings,
                                          next_token)
 from jaxrl.sharding import (MeshRules, cache_shardings, constrain, head_logits, head_rules,
@@ -116,12 +116,13 @@ def decode_logits(params: Params, h: jax.Array, spec: ModelSpec,
 
 
 def _place(params, lora, spec, shardings):
-    if shardings is None:
-        return params, lora
-    params = constrain(params, param_shardings(shardings, params, spec))
-    if lora is not None:
-        lora = constrain(lora, lora_shardings(shardings, lora, spec))
-    return params, lora
+    """params and lora laid out on the mesh, lora in the compute dtype (`forward_lora`)."""
+    if shardings is not None:
+        params = constrain(params, param_shardings(shardings, params, spec))
+        if lora is not None:
+            lora = constrain(lora, lora_shardings(shardings, lora, spec))
+    dtype = params["embed_tokens"]["embedding"].dtype
+    return params, forward_lora(lora, dtype, platform_of(shardings))
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "slots", "capacity", "share",
