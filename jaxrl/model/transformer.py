@@ -324,7 +324,8 @@ def prefix_hidden_states(params: Params, tokens: jax.Array, positions: jax.Array
     platform = platform_of(shardings)
 
     def layer(carry, xs):
-        lp, ll = layer_weights(shardings, unstacked_bits(xs[0]), xs[1], spec)
+        ll = None if xs[1] is None else unstacked_bits(xs[1])  # as `hidden_states` reads them
+        lp, ll = layer_weights(shardings, unstacked_bits(xs[0]), ll, spec)
         proj = projector(lp, ll, lora, None, platform)
         hp, (k, v) = decoder_layer(split_rows(shardings, carry[0]), lp, proj, rope_p, spec,
                                    _attention(mask_p, keep=True))
