@@ -11,8 +11,7 @@ import sys
 from typing import Sequence
 
 from jaxrl import __version__
-from jaxrl.commands import UsageError
-from jaxrl.hostmem import keep_freed_memory_on_cpu
+from jaxrl.backends.cpu_memory import keep_freed_memory_on_cpu
 
 DESCRIPTION = """GRPO post-training in JAX: LoRA adapters over NF4 base weights.
 
@@ -38,14 +37,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _exit_code(error: BaseException) -> int | None:
     """The exit code for an error a verb raises for the user (None: a bug, re-raised)."""
+    # imported here, not at the top: most of these modules import jax, orbax or the tokenizer
+    # libraries, which `jaxrl --help` does not need
     from jaxrl.checkpoint import CheckpointError
-    from jaxrl.config import ConfigError
+    from jaxrl.config import ConfigError, UsageError
     from jaxrl.data.generators.registry import GeneratorError
     from jaxrl.hf.default_model import DefaultModelError, ModelPathError
     from jaxrl.hf.keymap import KeyMapError
+    from jaxrl.hf.peft_io import AdapterError
     from jaxrl.hf.safetensors_io import SafetensorsError
     from jaxrl.hf.tokenizer import TokenizerError
-    from jaxrl.lora.peft_io import AdapterError
     from jaxrl.model.families import ModelConfigError
     from jaxrl.quant.qparams import BlockSizeError
 
@@ -65,7 +66,7 @@ def enable_compilation_cache() -> str:
     of compiling them (jax skips some programs; docs/benchmarks.md "Quickstart")."""
     import jax
 
-    from jaxrl.hf.default_model import cache_root
+    from jaxrl.hf.default_model import cache_root  # numpy and gguf: not for `jaxrl --help`
 
     if not jax.config.jax_compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", str(cache_root() / "jax-compile"))
@@ -73,7 +74,7 @@ def enable_compilation_cache() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    keep_freed_memory_on_cpu()  # before JAX starts its threads (jaxrl/hostmem.py)
+    keep_freed_memory_on_cpu()  # before JAX starts its threads (jaxrl/backends/cpu_memory.py)
     args = build_parser().parse_args(argv)
     enable_compilation_cache()
     try:

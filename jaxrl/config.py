@@ -23,6 +23,7 @@ from jaxrl.config_rules import scalar as _scalar
 from jaxrl.config_rules import setting as _setting
 from jaxrl.model.families import LINEAR_NAMES
 from jaxrl.quant.formats import SCALE_DTYPES
+from jaxrl.rewards import REWARDS
 
 DTYPES = ("float32", "bfloat16")
 QUANT_MODES = ("nf4", "int4", "none")
@@ -35,6 +36,12 @@ REMAT_CHOICES = ("auto", "none", "dots", "full")
 ENV_NAMES = ("calculator", "diagnosis")  # jaxrl/envs/__init__.py registers each
 
 _STRS, _FLOATS = STRS, FLOATS
+
+
+class UsageError(ValueError):
+    """Bad command-line usage (a flag's value, a missing argument); `jaxrl` exits 2, as for a
+    ConfigError. Defined here, not in jaxrl.cli, so that `python -m jaxrl.cli` and the
+    installed command raise and catch the same class."""
 
 
 @dataclass(frozen=True)
@@ -324,8 +331,6 @@ def _coerce(key: str, typ, value):
 
 
 def _check_rewards(rewards: RewardsConfig) -> None:
-    from jaxrl.rewards import REWARDS  # the registry of names only; nothing heavy
-
     names = [entry.name for entry in rewards.functions]
     for name in names:
         if name not in REWARDS:

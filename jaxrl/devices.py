@@ -11,6 +11,8 @@ import dataclasses
 import os
 import time
 
+from jaxrl.config import UsageError
+
 GIB = 1 << 30
 # HBM per chip a program may use, by the device_kind XLA reports: for v5e and v5p what XLA's TPU
 # compiler names as available when it refuses a program; the chip's nominal HBM for the others.
@@ -94,8 +96,6 @@ def mem_fraction(override: float | None, env=os.environ) -> tuple[float, str]:
     """(share of a GPU's memory XLA's allocator takes, where that share comes from)."""
     if override is not None:
         if not 0 < override <= 1:
-            from jaxrl.commands import UsageError
-
             raise UsageError(f"--mem-fraction {override} must be in (0, 1]")
         return override, "--mem-fraction"
     for name in ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION"):

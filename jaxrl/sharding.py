@@ -40,6 +40,7 @@ import optax
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxrl.backends.cpu import Bits
 from jaxrl.config import ConfigError, MeshConfig
 from jaxrl.lora.lora import Lora
 from jaxrl.model.families import ModelSpec
@@ -151,6 +152,13 @@ class MeshRules:
         """Rows (dim 0) split over the batch axes, every other dim replicated."""
         return self.named(("batch",) + (None,) * (len(shape) - 1), shape)
 
+    # the model's `Layout` (jaxrl/model/transformer.py): what the forward asks of a mesh
+    def constrain_rows(self, x: jax.Array) -> jax.Array:
+        return split_rows(self, x)
+
+    def constrain_layer(self, lp, ll, spec: ModelSpec):
+        return layer_weights(self, lp, ll, spec)
+
 
 def _qtensor(rules: MeshRules, q: QTensor, axes: tuple[str, ...]) -> QTensor:
     lead = axes[:-2]  # the layer stack, when there is one
@@ -163,18 +171,28 @@ def _qtensor(rules: MeshRules, q: QTensor, axes: tuple[str, ...]) -> QTensor:
                      scale_scales=lead_only(q.scale_scales), scale_offset=lead_only(q.scale_offset))
 
 
+def _leaf(rules: MeshRules, leaf, axes: tuple[str, ...]):
+    """The sharding of one params leaf: an array's, or a held leaf's (a QTensor, `Bits`) of the
+    same structure."""
+    if isinstance(leaf, QTensor):
+        return _qtensor(rules, leaf, axes)
+    if isinstance(leaf, Bits):
+        return leaf.replace(bits=rules.named(axes, leaf.shape))
+    return rules.named(axes, leaf.shape)
+
+
 HEAD_PATHS = ("embed_tokens/embedding", "lm_head/kernel")  # laid out by `head_rules`
 
 
 def param_shardings(rules: MeshRules, params, spec: ModelSpec):
-    """Shardings for a params pytree (arrays, ShapeDtypeStructs or QTensors of either): each
+    """Shardings for a params pytree (arrays, ShapeDtypeStructs, or held leaves of either:
+    QTensors, `jaxrl.backends.cpu.Bits`): each
     weight by its logical axes, the embedding table and LM head by `head_rules`."""
     decls = declare(spec)
     out = {}
     for path, leaf in flatten(params).items():
         axes, use = decls[path].axes, head_rules(rules) if path in HEAD_PATHS else rules
-        out[path] = (_qtensor(use, leaf, axes) if isinstance(leaf, QTensor)
-                     else use.named(axes, leaf.shape))
+        out[path] = _leaf(use, leaf, axes)
     return unflatten(out)
 
 
@@ -241,12 +259,6 @@ def head_rules(rules: MeshRules) -> MeshRules:
     return _remapped(rules, {"batch": batch, "vocab": vocab, "embed": ()})
 
 
-def platform_of(rules: MeshRules | None) -> str:
-    """The platform programs run on: the mesh's devices' (a TPU slice that `jaxrl plan` compiles
-    for from a CPU host included), else the default backend's."""
-    return jax.default_backend() if rules is None else rules.mesh.devices.flat[0].platform
-
-
 def layer_weights(rules: MeshRules | None, lp, ll, spec: ModelSpec):
     """One layer's weights `lp` and adapter `ll` (slices of the stacked layers, QTensors
     included) constrained to `compute_rules`: gathered over the FSDP axes inside the layer
@@ -257,9 +269,7 @@ def layer_weights(rules: MeshRules | None, lp, ll, spec: ModelSpec):
     use, decls = compute_rules(rules), declare(spec)
     placed = {}
     for path, leaf in flatten(lp).items():
-        axes = decls[f"layers/{path}"].axes[1:]
-        placed[path] = (_qtensor(use, leaf, axes) if isinstance(leaf, QTensor)
-                        else use.named(axes, leaf.shape))
+        placed[path] = _leaf(use, leaf, decls[f"layers/{path}"].axes[1:])
     lp = constrain(lp, unflatten(placed))
     if ll is None:
         return lp, None

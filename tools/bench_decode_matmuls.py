@@ -55,11 +55,12 @@ def _xla(rows: list[int], layers: int, dtype: str):
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxrl.model.products import product
-    from jaxrl.model.transformer import stacked_bits, unstacked_bits
+    from jaxrl.backends.numerics import dense, numerics_of
 
-    def run(x, w):  # w as stacked_bits gives it
-        return jax.lax.scan(lambda acc, wl: (acc + product(x, unstacked_bits(wl)), None),
+    numerics = numerics_of(None)  # the default device's forms, weights held as it holds them
+
+    def run(x, w):  # w as the numerics holds a stacked layer weight
+        return jax.lax.scan(lambda acc, wl: (acc + numerics.product(x, dense(wl)), None),
                             jnp.zeros((x.shape[0], w.shape[2]), jnp.float32), w)[0]
 
     run = jax.jit(run)
@@ -67,7 +68,8 @@ def _xla(rows: list[int], layers: int, dtype: str):
     for m in rows:
         for fan_in, fan_out in SHAPES:
             x = jnp.asarray(rng.standard_normal((m, fan_in)), dtype)
-            w = stacked_bits(jnp.asarray(rng.standard_normal((layers, fan_in, fan_out)), dtype))
+            w = jnp.asarray(rng.standard_normal((layers, fan_in, fan_out)), dtype)
+            w = numerics.hold({"layers": w})["layers"]
             yield m, (fan_in, fan_out), _best(lambda: run(x, w), jax.block_until_ready)
 
 

@@ -68,10 +68,11 @@ def main() -> None:
     args = _args()
     import jax
 
-    from jaxrl.commands.plan import abstract_run, architecture, compile_grpo_step, lower_step
     from jaxrl.config import load_config
     from jaxrl.devices import device_memory
+    from jaxrl.hf.loader import architecture
     from jaxrl.model.params import declare
+    from jaxrl.planner import abstract_run, compile_grpo_step, lower_step
     from jaxrl.sharding import MeshRules, make_mesh
 
     cfg = load_config(args.config, [*DEFAULT_OVERRIDES, "quant.dequantize=per_layer",

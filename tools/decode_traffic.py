@@ -56,15 +56,17 @@ def per_device(tree) -> int:
 def compile_step(cfg, spec, rules, compiler_options: dict | None = None):
     """(compiled one-step `generate`, abstract run, abstract slots); compiler_options: XLA
     options for this compile."""
-    from jaxrl.commands.plan import abstract_run
+    from jaxrl.planner import abstract_run
     from jaxrl.sampling.buckets import bucket
     from jaxrl.sampling.programs import abstract_slots, generate
 
     run = abstract_run(cfg, spec, rules)
     capacity = bucket(cfg.data.max_prompt_tokens) + bucket(cfg.sampling.max_new_tokens)
-    slots = abstract_slots(run.params, spec, bucket(run.rows, minimum=1), capacity, rules)
+    slots = abstract_slots(run.params, spec, bucket(run.rows, minimum=1), capacity, rules,
+                           numerics=run.numerics)
     lowered = generate.lower(slots, run.params, run.lora, spec=spec,
-                             eos_ids=spec.eos_token_ids or (0,), steps=1, shardings=rules)
+                             eos_ids=spec.eos_token_ids or (0,), steps=1, shardings=rules,
+                             numerics=run.numerics)
     return lowered.compile(compiler_options), run, slots
 
 
@@ -79,8 +81,9 @@ def main() -> None:
     args = _args()
     import jax
 
-    from jaxrl.commands.plan import architecture, topology_devices
     from jaxrl.config import load_config
+    from jaxrl.hf.loader import architecture
+    from jaxrl.planner import topology_devices
     from jaxrl.sharding import MeshRules, make_mesh
 
     cfg = load_config(args.config, [*DEFAULT_OVERRIDES, "quant.dequantize=per_layer",

@@ -12,6 +12,8 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
+from jaxrl.config import SamplingConfig
+
 
 @dataclasses.dataclass(frozen=True)
 class ChatReply:
@@ -61,8 +63,6 @@ class LocalChat:
 
     def chat(self, messages: Sequence[Mapping[str, str]], max_tokens: int) -> ChatReply:
         import jax
-
-        from jaxrl.config import SamplingConfig
 
         prompt = self._model.chat_ids(list(messages))
         key = jax.random.fold_in(jax.random.PRNGKey(self._seed), self._calls)

@@ -21,7 +21,19 @@ from jaxrl import distributed
 from jaxrl.bench.limits import decode_cost, prefill_cost
 from jaxrl.bench.subject import Subject, random_prompts
 from jaxrl.devices import compiled_peak
+from jaxrl.rl.advantages import compute_advantages
+from jaxrl.rl.loop import make_batch
+from jaxrl.rl.remat import AutoRematStep
+from jaxrl.rl.rollout import Rollout
+from jaxrl.rl.session import make_trainer, prompt_share_limit, reference_program, step_options
+from jaxrl.rl.train_step import compile_train_step, make_optimizer
 from jaxrl.sampling.buckets import bucket
+from jaxrl.sampling.engine import Engine
+from jaxrl.sampling.programs import admit, generate, init_slots
+from jaxrl.sampling.requests import Request, row_keys
+from jaxrl.sampling.sampler import REFILL_CHUNK, sample, slot_layout
+from jaxrl.sampling.sampling_fns import Decoding, RowSettings
+from jaxrl.sharding import place
 
 
 def device_peak_bytes() -> int | None:
@@ -40,9 +52,6 @@ def _admit_inputs(subject: Subject, batch: int, prompt_tokens: int, slots: int,
                   share: int = 1):
     """Arguments of `admit` filling `batch` slots from batch / share distinct random prompts,
     each filling `share` consecutive slots (a block, when the slots share prompts)."""
-    from jaxrl.sampling.requests import row_keys
-    from jaxrl.sampling.sampling_fns import Decoding, RowSettings
-
     distinct = batch // share
     u, width = bucket(distinct, minimum=1), bucket(prompt_tokens)
     m = u * share
@@ -67,17 +76,15 @@ def sample_batch(subject: Subject, batch: int, prompt_tokens: int, repeats: int,
     warm-up one, and their limits. Groups decode in blocks of slots sharing their prompt's
     cache, as `sample` lays them out (group 1: every row its own prompt). The last call runs
     inside `trace()` (a profile, `jaxrl.bench.profile.traced`)."""
-    from jaxrl.sampling.programs import admit, generate, init_slots
-    from jaxrl.sampling.sampler import slot_layout
-
     cfg, spec, rules = subject.cfg, subject.spec, subject.rules
     n = cfg.sampling.max_new_tokens
     slots, share = slot_layout(batch, group, 0, rules.batch_ways if rules else 1)
     capacity = bucket(prompt_tokens) + bucket(n)
     empty = functools.partial(init_slots, subject.params, spec=spec, slots=slots,
                               capacity=capacity, share=share,
-                              prompt_capacity=bucket(prompt_tokens), shardings=rules)
-    static = dict(spec=spec, eos_ids=(), shardings=rules)
+                              prompt_capacity=bucket(prompt_tokens), shardings=rules,
+                              numerics=subject.numerics)
+    static = dict(spec=spec, eos_ids=(), shardings=rules, numerics=subject.numerics)
     inputs = _admit_inputs(subject, batch, prompt_tokens, slots, share)
     start = time.perf_counter()
     admit_c = admit.lower(empty(), subject.params, subject.lora, *inputs, **static).compile()
@@ -127,9 +134,6 @@ class _StepRunner:
     prompt_tokens: int
 
     def __post_init__(self):
-        from jaxrl.rl.session import make_trainer
-        from jaxrl.sharding import place
-
         s, cfg = self.subject, self.subject.cfg
         self.key = jax.random.PRNGKey(cfg.run.seed)
         self.state, _, self.train_step, self.shardings = make_trainer(cfg, s.spec, s.params,
@@ -144,12 +148,6 @@ class _StepRunner:
         self.sampling = dataclasses.replace(cfg.sampling, stop=())  # no detokenizer here
 
     def step(self, i: int) -> dict[str, float]:
-        from jaxrl.rl.advantages import compute_advantages
-        from jaxrl.rl.loop import make_batch
-        from jaxrl.rl.rollout import Rollout
-        from jaxrl.rl.session import prompt_share_limit
-        from jaxrl.sampling.sampler import sample
-
         s, cfg = self.subject, self.subject.cfg
         to_device = functools.partial(distributed.to_device, s.rules)
         out, t_rollout = _timed(lambda: sample(
@@ -179,8 +177,6 @@ class _StepRunner:
     def reference(self, batch):
         """The reference pass of `batch`'s completion width (`jaxrl.rl.rollout.Rollout.columns`)
         and prompt sharing (`Batch.share`)."""
-        from jaxrl.rl.session import reference_program
-
         key = batch.completion_mask.shape[1], batch.share
         if key not in self.references:
             s = self.subject
@@ -189,8 +185,6 @@ class _StepRunner:
 
     def memory(self) -> dict:
         """(remat policy, peak bytes of the reference and update programs)."""
-        from jaxrl.rl.remat import AutoRematStep
-
         s, b = self.subject, self.batch
         if isinstance(self.train_step, AutoRematStep):
             (policy,), (update,) = (set(self.train_step.policies.values()),
@@ -207,9 +201,6 @@ class _StepRunner:
     def compare_remat(self, policies: list[str], rounds: int) -> list[dict]:
         """The last step's update under each remat policy: compiled apart, then run `rounds`
         times each from the same state, the policies taking turns."""
-        from jaxrl.rl.session import step_options
-        from jaxrl.rl.train_step import compile_train_step, make_optimizer
-
         s, cfg = self.subject, self.subject.cfg
         optimizer, _ = make_optimizer(cfg.optim, cfg.run.steps)
         compiled, compile_s = {}, {}
@@ -266,14 +257,10 @@ def engine_workload(subject: Subject, requests: int, mean_new_tokens: float,
 
 
 def _engine_pass(subject: Subject, prompts, new, slots: int):
-    from jaxrl.sampling.engine import Engine
-    from jaxrl.sampling.requests import Request, row_keys
-    from jaxrl.sampling.sampler import REFILL_CHUNK
-    from jaxrl.sampling.sampling_fns import Decoding
-
     capacity = bucket(max(map(len, prompts))) + bucket(subject.cfg.sampling.max_new_tokens)
     engine = Engine(subject.params, subject.spec, slots=slots, capacity=capacity,
-                    chunk=REFILL_CHUNK, lora=subject.lora, shardings=subject.rules)
+                    chunk=REFILL_CHUNK, lora=subject.lora, shardings=subject.rules,
+                    numerics=subject.numerics)
     keys = row_keys(jax.random.PRNGKey(subject.cfg.run.seed), range(len(prompts)))
     decoding = Decoding.from_config(subject.cfg.sampling)
     done = [engine.submit(Request(p, decoding, n, keys[i]))
@@ -287,8 +274,6 @@ def _static_pass(subject: Subject, prompts, new, slots: int) -> float:
     """`sample` on static batches of `slots` requests, each to its longest; returns the share
     of decode-step row-tokens that were requested (the first token of each row comes from the
     prefill, as the engine's utilization counts it)."""
-    from jaxrl.sampling.sampler import sample
-
     live = total = 0
     for start in range(0, len(prompts), slots):
         rows, n = prompts[start:start + slots], new[start:start + slots]

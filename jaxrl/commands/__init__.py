@@ -1,10 +1,11 @@
 """One module per `jaxrl` verb: each has `register(subparsers)`, which adds the verb's parser and
-sets `func` (taking the parsed args, returning an exit code). `jaxrl.cli.VERBS` lists them."""
+sets `func` (taking the parsed args, returning an exit code). `jaxrl.cli.VERBS` lists them.
 
-
-class UsageError(ValueError):
-    """Bad command-line usage; `jaxrl` exits 2. (Defined here, not in jaxrl.cli, so that
-    `python -m jaxrl.cli` and the installed command raise and catch the same class.)"""
+`jaxrl --help` imports every verb module to register it, so a verb module imports at its top
+only light modules (jaxrl.config and the like) and imports jax and the modules that run the
+verb inside the functions that run it: that is why the imports of jaxrl modules in the
+command modules are function-local."""
+from jaxrl.config import UsageError
 
 
 def read_input_objects(path: str, text_field: str | None = None) -> list[dict]:

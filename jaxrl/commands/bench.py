@@ -45,6 +45,7 @@ import json
 import sys
 from pathlib import Path
 
+from jaxrl.config import UsageError
 from jaxrl.devices import GIB
 
 
@@ -89,15 +90,11 @@ def register(sub) -> None:
 
 
 def _positive(name: str, value: int | float | None) -> None:
-    from jaxrl.commands import UsageError
-
     if value is not None and value < 1:
         raise UsageError(f"{name} must be at least 1; got {value}")
 
 
 def _batches(args, cfg) -> list[int]:
-    from jaxrl.commands import UsageError
-
     if args.batches is None:
         return [cfg.data.prompts_per_step * cfg.grpo.num_generations]
     try:
@@ -111,7 +108,6 @@ def _batches(args, cfg) -> list[int]:
 
 
 def _policies(args) -> list[str]:
-    from jaxrl.commands import UsageError
     from jaxrl.rl.remat import POLICIES
 
     policies = [] if not args.compare_remat else args.compare_remat.split(",")
@@ -126,8 +122,6 @@ def _policies(args) -> list[str]:
 
 def _check(args, cfg) -> None:
     """Usage errors before anything is loaded."""
-    from jaxrl.commands import UsageError
-
     _positive("--prompt-tokens", args.prompt_tokens)
     for name in ("repeats", "steps", "requests", "mean_new_tokens"):
         _positive(f"--{name.replace('_', '-')}", getattr(args, name, None))

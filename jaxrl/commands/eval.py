@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from jaxrl.config import UsageError
+
 
 def register(sub) -> None:
     ev = sub.add_parser(
@@ -36,8 +38,6 @@ def register(sub) -> None:
 
 
 def _check(args) -> None:
-    from jaxrl.commands import UsageError
-
     if args.compare and not args.adapter:
         raise UsageError("--compare evaluates the base model against an adapter; give "
                          "--adapter DIR")
@@ -49,7 +49,6 @@ def _check(args) -> None:
 
 
 def _eval(args) -> int:
-    from jaxrl.commands import UsageError
     from jaxrl.commands.train import run_config
     from jaxrl.eval.run import progress_bar, read_outputs, run_model, score_variants, write
     from jaxrl.eval.table import format_table

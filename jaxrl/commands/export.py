@@ -4,6 +4,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from jaxrl.config import UsageError
+
 
 def register(sub) -> None:
     export = sub.add_parser(
@@ -33,7 +35,6 @@ def _base_dir(cfg, base: dict[str, str]) -> Path:
     """The checkpoint's base model: model.path of its config, else the directory it recorded;
     either must still hash as recorded."""
     from jaxrl.checkpoint import base_identity
-    from jaxrl.commands import UsageError
     from jaxrl.hf.default_model import ModelPathError, resolve_model_path
 
     candidates = [Path(base["dir"])]
@@ -52,7 +53,6 @@ def _base_dir(cfg, base: dict[str, str]) -> Path:
 
 def _export(args) -> int:
     from jaxrl.checkpoint import CHECKPOINTS, adapter_base_name, checkpoint_steps, load_run_lora
-    from jaxrl.commands import UsageError
     from jaxrl.hf.export import write_merged_model, write_peft_adapter
     from jaxrl.model.families import load_spec
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import time
 
-from jaxrl.config import DTYPES, QUANT_MODES
+from jaxrl.config import DTYPES, QUANT_MODES, UsageError
 
 
 def register(sub) -> None:
@@ -40,7 +40,6 @@ def register(sub) -> None:
 
 def _sampling_config(args):
     """The SamplingConfig of the flags; a bad value is a UsageError naming its flag."""
-    from jaxrl.commands import UsageError
     from jaxrl.config import Config, ConfigError, SamplingConfig, validate
 
     if args.n < 1:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import sys
 
-from jaxrl.config import DTYPES, QUANT_MODES
+from jaxrl.commands import read_input_objects
+from jaxrl.config import DTYPES, QUANT_MODES, UsageError
 
 ROLES = ("agent", "rationale", "scorer")
 
@@ -53,9 +54,6 @@ def register(sub) -> None:
 
 
 def _questions(args) -> list[dict]:
-    from jaxrl.commands import UsageError
-    from jaxrl.commands import read_input_objects
-
     if args.question is not None:
         return [{"question": args.question}]
     records = read_input_objects(args.input)
@@ -73,7 +71,6 @@ def _questions(args) -> list[dict]:
 def _settings(args):
     import re
 
-    from jaxrl.commands import UsageError
     from jaxrl.rationale.guide import DEFAULT_ANSWER_PATTERN, GuideSettings
 
     try:
@@ -88,8 +85,8 @@ def _roles(args):
     import jax
 
     from jaxrl.config import JudgeConfig
+    from jaxrl.hf.peft_io import load_peft_adapter
     from jaxrl.hf.pretrained import load_pretrained
-    from jaxrl.lora.peft_io import load_peft_adapter
     from jaxrl.rationale import roles
 
     model = load_pretrained(args.model, dtype=args.dtype, quant=args.quant)  # the base, once

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from jaxrl.config import DTYPES, QUANT_MODES
+from jaxrl.config import DTYPES, QUANT_MODES, UsageError
 
 _BUDGET_FLAGS = (("gap_delta", float, 0.3, "confidence lead of the top hypothesis to drill down"),
                  ("min_support", int, 3, "supporting evidence the top hypothesis needs"),
@@ -64,7 +64,6 @@ def register(sub) -> None:
 def _settings(args):
     from jaxrl.agents.agents import Limits
     from jaxrl.agents.state import Budget
-    from jaxrl.commands import UsageError
 
     for name, _, _, _ in _LIMIT_FLAGS:
         if getattr(args, name) < (0 if name == "retries" else 1):
@@ -78,7 +77,6 @@ def _settings(args):
 
 
 def _cases(args):
-    from jaxrl.commands import UsageError
     from jaxrl.envs.base import CaseError, load_cases
     from jaxrl.envs.diagnosis import generate_cases
 
@@ -94,7 +92,6 @@ def _cases(args):
 
 def _roles(args, cases):
     from jaxrl.agents.roles import RolesError, load_roles
-    from jaxrl.commands import UsageError
 
     domains = sorted({c.domain for c in cases})
     if args.roles is None and len(domains) > 1:

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from jaxrl.commands import read_input_objects
-from jaxrl.config import DTYPES, QUANT_MODES
+from jaxrl.config import DTYPES, QUANT_MODES, UsageError
 
 
 def register(sub) -> None:
@@ -89,8 +89,6 @@ def write_objects(path: str, objects) -> None:
 
 
 def _checked(condition: bool, message: str) -> None:
-    from jaxrl.commands import UsageError
-
     if not condition:
         raise UsageError(message)
 

@@ -8,7 +8,7 @@ import os
 import signal
 import sys
 
-from jaxrl.config import DTYPES, QUANT_MODES
+from jaxrl.config import DTYPES, QUANT_MODES, UsageError
 
 _DESCRIPTION = """\
 Serve /v1/models, /v1/chat/completions and /v1/completions as the OpenAI API defines them,
@@ -64,8 +64,6 @@ def register(sub) -> None:
 
 
 def _loras(specs: list[str]) -> dict[str, str]:
-    from jaxrl.commands import UsageError
-
     loras = {}
     for spec in specs:
         name, sep, path = spec.partition("=")
@@ -80,8 +78,6 @@ def _loras(specs: list[str]) -> dict[str, str]:
 
 def _options(args) -> dict:
     """The ServeOptions fields of the flags; a bad value is a UsageError naming its flag."""
-    from jaxrl.commands import UsageError
-
     for flag in ("slots", "chunk", "max_queue", "default_max_tokens"):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 1; got {getattr(args, flag)}")
@@ -139,9 +135,8 @@ def _stop_on_signals(handle) -> None:
 
 
 def _serve(args) -> int:
-    from jaxrl.commands import UsageError
+    from jaxrl.hf.peft_io import load_peft_adapter
     from jaxrl.hf.pretrained import load_pretrained
-    from jaxrl.lora.peft_io import load_peft_adapter
     from jaxrl.serve import start_server
 
     options, loras = _options(args), _loras(args.lora)

@@ -4,6 +4,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from jaxrl.config import UsageError, load_config
+
 QUICKSTART = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
 
 
@@ -25,9 +27,6 @@ def register(sub) -> None:
 
 def run_config(args):
     """The config of --config (configs/quickstart.yaml without one) plus the overrides."""
-    from jaxrl.commands import UsageError
-    from jaxrl.config import load_config
-
     path = args.config
     if path is None:
         if not QUICKSTART.is_file():

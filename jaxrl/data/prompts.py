@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
+from jaxrl.hf.tokenizer import chat_prompt_ids
+
 SYSTEM_PROMPT = (
     "You are a careful reasoner. First think the problem through step by step inside "
     "<think> </think>, then give only the final answer inside <answer> </answer>.")
@@ -153,6 +155,4 @@ def numbered(lines: Sequence[str]) -> str:
 def prompt_fits(tokenizer, max_tokens: int) -> Callable[[Mapping], bool]:
     """A `keep` predicate for jaxrl.data.pipeline.build_pool: the record's messages rendered by
     the tokenizer's chat template (assistant turn opened) are at most max_tokens tokens."""
-    from jaxrl.hf.tokenizer import chat_prompt_ids
-
     return lambda record: len(chat_prompt_ids(tokenizer, record["messages"])) <= max_tokens

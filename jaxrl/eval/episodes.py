@@ -29,7 +29,7 @@ def play_records(model, records: Sequence[Mapping], cfg: Config, use_adapter: bo
     `episode`. A short last batch is padded with repeats, so every batch has one size."""
     import jax
 
-    from jaxrl.rl.episodes import Chat, play
+    from jaxrl.rl.episodes import Chat, play  # imports jax: scoring saved episodes needs neither
 
     cfg = dataclasses.replace(cfg, sampling=dataclasses.replace(cfg.sampling, temperature=0.0))
     chat = Chat(model.tokenizer, model.eos_ids)

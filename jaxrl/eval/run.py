@@ -9,6 +9,9 @@ greedily with `sampling.max_new_tokens` and `sampling.stop`; a saved completion 
 response prefix, so it reads as the model's whole reply. Variants: "base" (the model alone) and
 "adapter"; `compare` runs both from one load of the model. Saved outputs are JSONL lines of a
 task record plus `completion` and optionally `variant` (default "outputs").
+
+Scoring saved outputs runs no model, so what runs one (jax, the loader, the data pipeline with
+grain, the episode player) is imported inside the functions that need it.
 """
 from __future__ import annotations
 
@@ -22,8 +25,12 @@ from pathlib import Path
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from jaxrl.config import Config
+from jaxrl.config import Config, ConfigError
+from jaxrl.data.prompts import prompt_fits
+from jaxrl.data.records import read_jsonl
+from jaxrl.eval.episodes import evaluate_episodes, play_records
 from jaxrl.eval.metrics import difference, evaluate
+from jaxrl.rewards.judge import Judge
 
 
 @contextmanager
@@ -46,9 +53,7 @@ def progress_bar() -> Iterator[Callable[[str, int], Callable[[], None]]]:
 def eval_records(cfg: Config, tokenizer) -> list[dict]:
     """The records evaluated on: data.eval_file, else the validation split of data.tasks (with
     prompts that fit data.max_prompt_tokens)."""
-    from jaxrl.data.pipeline import build_pool
-    from jaxrl.data.prompts import prompt_fits
-    from jaxrl.data.records import read_jsonl
+    from jaxrl.data.pipeline import build_pool  # grain and jax: not for data.eval_file
 
     if cfg.data.eval_file:
         return read_jsonl(cfg.data.eval_file)
@@ -86,10 +91,6 @@ def _judging(cfg: Config) -> bool:
 def score_variants(cfg: Config, variants: Mapping[str, list[dict]], phase) -> dict:
     """The results document: each variant's metrics, the second minus the first when there
     are two, and whether the CEDAR metrics ran."""
-    from jaxrl.rewards.judge import Judge
-
-    from jaxrl.eval.episodes import evaluate_episodes
-
     results = {}
     for name, records in variants.items():
         if cfg.data.env:  # episodes, scored by their environment
@@ -120,11 +121,8 @@ def run_model(cfg: Config, adapter: str | None, compare: bool, batch_size: int,
     model = load_pretrained(cfg.model.path, adapter, dtype=cfg.model.dtype, quant=cfg.quant)
     records = eval_records(cfg, model.tokenizer)
     if not records:
-        from jaxrl.config import ConfigError
         raise ConfigError("no evaluation records: data.validation_fraction leaves none of "
                           f"data.tasks {list(cfg.data.tasks)}; raise it or set data.eval_file")
-    from jaxrl.eval.episodes import play_records
-
     names = (["base", "adapter"] if compare else ["adapter"]) if adapter else ["base"]
     run = play_records if cfg.data.env else generate
     variants = {}

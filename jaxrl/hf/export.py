@@ -1,7 +1,7 @@
 """Export to Hugging Face formats: a PEFT LoRA adapter directory, or a whole transformers model
 with the adapter merged into the dequantized base.
 
-Tensor names come from the tables loading uses: `peft_keys` (jaxrl/lora/peft_io.py) for adapter
+Tensor names come from the tables loading uses: `peft_keys` (jaxrl/hf/peft_io.py) for adapter
 tensors and `key_table` (jaxrl/hf/keymap.py) for model tensors. jaxrl keeps A [in, r],
 B [r, out] and kernels [in, out]; PEFT and transformers store lora_A [r, in], lora_B [out, r]
 and weights [out, in], hence the transposes. Every file is written under a temporary name and
@@ -23,9 +23,9 @@ import numpy as np
 from jaxrl.config import QuantConfig
 from jaxrl.hf.keymap import key_table
 from jaxrl.hf.load import load_host_params
+from jaxrl.hf.peft_io import ADAPTER_CONFIG, ADAPTER_WEIGHTS, peft_keys
 from jaxrl.hf.safetensors_io import write_tensors
 from jaxrl.lora.lora import Lora, merged_kernel
-from jaxrl.lora.peft_io import ADAPTER_CONFIG, ADAPTER_WEIGHTS, peft_keys
 from jaxrl.model.families import ModelSpec
 from jaxrl.quant.nf4 import QTensor, dequantize_np
 

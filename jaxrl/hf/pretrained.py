@@ -1,9 +1,10 @@
 """A model ready to use: params (optionally NF4), an optional PEFT adapter, tokenizer, EOS ids.
 
-The one loading path for every verb that runs a model outside training (generate, serve, eval,
-rationale scoring, agents). NF4 kernels follow `quant.dequantize` (auto: kept 4-bit on
-accelerators and dequantized per layer inside the loop; dequantized once on CPU, where XLA's
-per-step dequantization costs more than the memory it saves).
+What every verb that runs a model on one device outside training loads (generate, serve, eval,
+rationale scoring, agents, sft): the model from the one loader (`jaxrl.hf.loader.load_model`,
+for the default device's numerics), so NF4 kernels follow `quant.dequantize` as in a run (auto:
+kept 4-bit on accelerators and dequantized per layer inside the loop; dequantized once on the
+CPU), plus a PEFT adapter.
 """
 from __future__ import annotations
 
@@ -13,18 +14,15 @@ from pathlib import Path
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 
+from jaxrl.backends.numerics import numerics_of
 from jaxrl.config import QuantConfig, SamplingConfig
-from jaxrl.hf.default_model import resolve_model_path
-from jaxrl.hf.load import load_params
+from jaxrl.hf.loader import load_model
+from jaxrl.hf.peft_io import load_peft_adapter
 from jaxrl.hf.tokenizer import (chat_prompt_ids, chat_prompt_text, detokenizer, eos_token_ids,
-                                load_tokenizer, text_ids)
+                                text_ids)
 from jaxrl.lora.lora import Lora
-from jaxrl.lora.peft_io import load_peft_adapter
 from jaxrl.model.families import ModelSpec
-from jaxrl.model.transformer import layer_bits
-from jaxrl.quant.qparams import dequantize_params, dequantize_strategy
 from jaxrl.sampling.sampler import SampleOutput, sample
 
 
@@ -61,17 +59,13 @@ class Pretrained:
 
 def load_pretrained(path: str | Path, adapter: str | Path | None = None,
                     dtype: str = "float32", quant: str | QuantConfig = "none") -> Pretrained:
-    """Loads model `path` (a local HF directory, a hub id or `default`) in `dtype`, quantizing
-    linear kernels while loading when `quant` is nf4 or int4, plus a PEFT adapter directory."""
-    model_dir = resolve_model_path(str(path))
+    """Loads model `path` (a local HF directory, a hub id or `default`) in `dtype` on the
+    default device, quantizing linear kernels while loading when `quant` is nf4 or int4 (a mode
+    name, or the run's QuantConfig), plus a PEFT adapter directory."""
     qcfg = quant if isinstance(quant, QuantConfig) else (
         None if quant == "none" else QuantConfig(mode=quant))
-    spec, params = load_params(model_dir, dtype=jnp.dtype(dtype), quant=qcfg)
-    if qcfg is not None and dequantize_strategy(qcfg) == "once":
-        params = dequantize_params(params, jnp.dtype(dtype))
-    params = layer_bits(params)  # bf16 layers as their bits on the CPU, as a run holds them
-    tokenizer = load_tokenizer(model_dir)
-    lora = None if adapter is None else load_peft_adapter(adapter, spec)
-    return Pretrained(path=model_dir, spec=spec, params=params, tokenizer=tokenizer,
-                      eos_ids=eos_token_ids(tokenizer, model_dir),
-                      detokenize=detokenizer(tokenizer), lora=lora)
+    model = load_model(path, dtype=dtype, quant=qcfg, numerics=numerics_of(None))
+    lora = None if adapter is None else load_peft_adapter(adapter, model.spec)
+    return Pretrained(path=model.path, spec=model.spec, params=model.params,
+                      tokenizer=model.tokenizer, eos_ids=eos_token_ids(model.tokenizer, model.path),
+                      detokenize=detokenizer(model.tokenizer), lora=lora)

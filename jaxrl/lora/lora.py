@@ -72,8 +72,8 @@ def _low_rank_fwd(x, a, b, scale):
 def _low_rank_bwd(scale, residuals, g):
     """Gradients written as plain 2-D products with the small [tokens, r] operand transposed:
     differentiated automatically, dB = xa^T g made XLA's CPU backend transpose the large
-    [tokens, out] cotangent in a slow loop (2.5x the whole LoRA backward). The cotangent g
-    [tokens, out] is read as it comes (scale goes to B [r, out]), twice: for dB and dxa."""
+    [tokens, out] cotangent in a slow loop. The cotangent g [tokens, out] is read as it comes
+    (scale goes to B [r, out]), twice: for dB and dxa."""
     x, a, b, xa = residuals  # xa: the scaled x @ A
     dtype = x.dtype
     x2 = x.reshape(-1, x.shape[-1])  # [T, in]

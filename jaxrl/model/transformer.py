@@ -1,31 +1,44 @@
 """The decoder forward pass: a pure function of params, tokens and positions.
 
-`hidden_states` scans over the stacked layer weights with `lax.scan`: training, log-probs and
-decoding (jaxrl/sampling/programs.py) all run this one loop, on every backend, with NF4 kernels
-dequantized one layer at a time inside it.
+`hidden_states` scans over the stacked layer weights with `lax.scan` (`_scan_layers`, the one
+layer loop): training, log-probs and decoding (jaxrl/sampling/programs.py) all run it, with NF4
+kernels dequantized one layer at a time inside it, and `prefix_hidden_states` runs the same loop
+over rows that share a prompt. Every backend form (products, NF4 matmul form, how weights are
+held, what remat saves, the embedding gather, the decode head) comes from the static `numerics`
+argument (`jaxrl.backends.numerics`); the default is the XLA reference forms.
 
-Glossary: B batch, T tokens in this call, S key slots (T without a cache, the cache length with
-one), E hidden size, F MLP size, H/K query/kv heads, D head dim, V vocab, L layers.
+Glossary: B batch, T tokens in this call, C cache columns (key slots before this call's tokens;
+T without a cache), P prefix (shared prompt) columns, E hidden size, F MLP size, H/K query/kv
+heads, D head dim, V vocab, L layers.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 
+from jaxrl.backends.numerics import REFERENCE, Numerics, dense_tree
 from jaxrl.lora.lora import Lora, lora_delta
 from jaxrl.model.attention import apply_rope, attend, rope_tables
 from jaxrl.model.families import ModelSpec
 from jaxrl.model.kv_cache import KVCache, write_tokens
 from jaxrl.model.params import LINEAR_NAMES
-from jaxrl.model.products import fast_low_precision, product
-from jaxrl.quant.nf4 import QTensor, as_dense
-from jaxrl.quant.qmatmul import matmul_form, qmatmul
-from jaxrl.sharding import MeshRules, layer_weights, platform_of, split_rows
+from jaxrl.quant.nf4 import as_dense
 
 Params = dict[str, Any]
+
+
+class Layout(Protocol):
+    """Where a mesh puts the forward's arrays (`jaxrl.sharding.MeshRules` is one); None in the
+    functions below means one device, or the partitioner's choice."""
+
+    def constrain_rows(self, x: jax.Array) -> jax.Array:
+        """x [B, ...] with its rows split over the batch axes, every other dim whole."""
+
+    def constrain_layer(self, lp: Params, ll: Params | None, spec: ModelSpec):
+        """(lp, ll): one layer's weights and adapter laid out for a call with many tokens."""
+
 
 # What each layer of the scan keeps for the backward pass (`remat`), least recomputation first:
 # none saves every intermediate; dots saves each projection's output (`projector`: the linear's
@@ -45,112 +58,32 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     return scale * xf.astype(x.dtype)
 
 
-def embed(table: jax.Array, tokens: jax.Array) -> jax.Array:
-    """Rows of the embedding table [V, E] for tokens [...]. A bf16 table is gathered as its
-    uint16 bit patterns: XLA:CPU gathers bf16 through float32 and converts the whole table first
-    (113 MB and ~90 ms per call for the default model); the bits, and so the result, are the
-    same."""
-    if table.dtype != jnp.bfloat16:
-        return table[tokens]
-    bits = jax.lax.bitcast_convert_type(table, jnp.uint16)[tokens]
-    return jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
-
-
-def stacked_bits(layers: Params, platform: str | None = None) -> Params:
-    """The stacked layer weights as the layer scan takes them. On the CPU each bfloat16 array
-    goes as its uint16 bit patterns: XLA:CPU converts a bfloat16 stack whole to float32 before
-    a loop slices it, and each slice back to bfloat16 (three passes over the weights per call,
-    and each layer's slice read at twice its bytes); the bits are sliced as they are. Converting
-    a stack to bits inside a program copies it (~15 ms per 53 MB here), so `layer_bits` does it
-    once where a run loads its weights, and the scan takes uint16 arrays as they come: a uint16
-    array among the layers' weights is always a bfloat16 one's bits. The base weights are not
-    differentiated (adapters train); differentiating them through the bits raises rather than
-    give a zero gradient. platform: the programs' (default: the default backend's)."""
-    if (platform or jax.default_backend()) != "cpu":
-        return layers
-    return jax.tree_util.tree_map(
-        lambda a: _bits(a) if not _is_q(a) and a.dtype == jnp.bfloat16 else a, layers,
-        is_leaf=_is_q)
-
-
-def unstacked_bits(lp: Params) -> Params:
-    """One layer's slice of `stacked_bits`'s weights, bfloat16 again."""
-    return jax.tree_util.tree_map(
-        lambda a: a if _is_q(a) or a.dtype != jnp.uint16
-        else jax.lax.bitcast_convert_type(a, jnp.bfloat16), lp, is_leaf=_is_q)
-
-
-def layer_bits(params: Params, platform: str | None = None) -> Params:
-    """params with the stacked layers as `stacked_bits` takes them, converted once (outside any
-    program): what a run holds on the CPU. Elsewhere, and for other dtypes, unchanged."""
-    return {**params, "layers": stacked_bits(params["layers"], platform)}
-
-
-def forward_lora(lora: Lora | None, dtype, platform: str | None = None) -> Lora | None:
-    """lora for a program that only runs the model forward (sampling): its weights cast once to
-    the compute dtype, which each product casts them to anyway, and held as `stacked_bits`
-    holds the base weights on the CPU (the layer scan reads them back with `unstacked_bits`).
-    Cast inside the layer loop instead, every decode step converted each layer's float32
-    adapters again (~4 ms of a 45 ms step for the default model and 16 rows). Not
-    differentiable on the CPU (`stacked_bits`)."""
-    if lora is None:
-        return None
-    weights = jax.tree_util.tree_map(lambda a: a.astype(dtype), lora.weights)
-    return lora.replace(weights={**weights, "layers": stacked_bits(weights["layers"], platform)})
-
-
-def _is_q(x) -> bool:
-    return isinstance(x, QTensor)
-
-
-@jax.custom_jvp
-def _bits(a: jax.Array) -> jax.Array:
-    return jax.lax.bitcast_convert_type(a, jnp.uint16)
-
-
-@_bits.defjvp
-def _bits_jvp(primals, tangents):
-    raise TypeError("the base weights are scanned as their bits on the CPU and are not "
-                    "differentiable there; differentiate the adapter (LoRA) weights")
-
-
-def linear(x: jax.Array, p: Params, platform: str | None = None) -> jax.Array:
+def linear(x: jax.Array, p: Params, numerics: Numerics = REFERENCE) -> jax.Array:
     """x [B, T, in] @ kernel [in, out] (+ bias), accumulated in float32 and rounded once to
-    x's dtype; the kernel may be a quantized QTensor, dequantized here with the matmul
-    (`qmatmul`), so inside the layer scan, one layer at a time. Without a bias the matmul
-    itself yields x's dtype, so where a mesh splits `in` (o_proj and down_proj over the tensor
-    axis, and in the backward pass the column-parallel layers' input gradients) the partial
-    sums are reduced across devices in the model's dtype, not in float32; only a decode step's
-    NF4 block form, which sums its scale blocks in float32 first, and the GPU's split form,
-    which adds its two matmuls in float32, reduce their partial sums in float32, and so does
-    the CPU's bfloat16 product (`jaxrl.model.products`), whose result is float32."""
-    kernel = p["kernel"]
+    x's dtype; the kernel may be a quantized QTensor, dequantized with the matmul
+    (`Numerics.matmul`), so inside the layer scan, one layer at a time. Without a bias the
+    matmul itself yields x's dtype, so where a mesh splits `in` (o_proj and down_proj over the
+    tensor axis, and in the backward pass the column-parallel layers' input gradients) the
+    partial sums are reduced across devices in the model's dtype, except where the numerics'
+    form sums in float32 first (the NF4 block and split forms, the CPU's bfloat16 product)."""
     dtype = jnp.float32 if "bias" in p else x.dtype  # a bias is added before the rounding
-    if isinstance(kernel, QTensor):  # one token per row (decoding): bound by reading the kernel
-        y = qmatmul(x, kernel, form=matmul_form(memory_bound=x.shape[-2] == 1), dtype=dtype)
-    else:
-        y = product(x, kernel, dtype=dtype, backend=platform)
+    y = numerics.matmul(x, p["kernel"], dtype=dtype)
     if "bias" in p:
         y = y + p["bias"]
     return y.astype(x.dtype)
 
 
 def projector(lp: Params, ll: Params | None, lora: Lora | None, rng: jax.Array | None,
-              platform: str | None = None):
+              numerics: Numerics = REFERENCE):
     """proj(name, x): layer linear `name` applied to x, plus its adapter when it has one; the
-    result is named "projection" (the one array remat dots saves of it). On the CPU a bfloat16
-    projection is named (and so saved) as its exact float32 value: the scan stacks the saved
-    arrays of all layers with a dynamic-update-slice, which XLA:CPU does on a bfloat16 stack by
-    converting the whole stack to float32 and back for every layer (a float32 stack it updates
-    in place)."""
+    result is named "projection" (the one array remat dots saves of it, as `Numerics.save`
+    saves it)."""
     def proj(name: str, x: jax.Array) -> jax.Array:
-        y = linear(x, lp[name], platform)
+        y = linear(x, lp[name], numerics)
         if ll is not None and name in ll:
             key = None if rng is None else jax.random.fold_in(rng, LINEAR_NAMES.index(name))
             y = y + lora_delta(x, ll[name], lora.scale, lora.dropout, key)
-        if fast_low_precision(y.dtype, platform):
-            return checkpoint_name(y.astype(jnp.float32), "projection").astype(y.dtype)
-        return checkpoint_name(y, "projection")
+        return numerics.save(y, "projection")
     return proj
 
 
@@ -229,11 +162,40 @@ def cached_mask(attn_mask: jax.Array, t: int, start: jax.Array) -> jax.Array:
     return jnp.concatenate([jnp.broadcast_to(old[:, None, :], (b, t, s)), new], axis=2)
 
 
+def _rows(layout: Layout | None, x: jax.Array) -> jax.Array:
+    return x if layout is None else layout.constrain_rows(x)
+
+
+def _scan_layers(params: Params, lora: Lora | None, carry, xs, layer_fn, *, spec: ModelSpec,
+                 numerics: Numerics, layout: Layout | None, remat: str,
+                 rng: jax.Array | None = None):
+    """The layer loop: `lax.scan` over the stacked layers (as `numerics` holds them), running
+    layer_fn(carry, lp, proj, x) -> (carry, out) with the layer's dense weights lp, its
+    projector proj (`projector`: linears plus adapters, LoRA dropout keyed by rng) and its
+    slice x of xs (a pytree with a leading [L] axis, or None); each layer's weights are laid
+    out by `layout` (None: left as they are). remat: a key of REMAT_POLICIES. Returns (carry,
+    the outs stacked [L, ...])."""
+    use_dropout = lora is not None and lora.dropout > 0 and rng is not None
+    keys = jax.random.split(rng, spec.num_layers) if use_dropout else None
+
+    def layer(carry, scanned):
+        lp, ll, key, x = scanned
+        lp, ll = dense_tree(lp), dense_tree(ll)
+        if layout is not None:
+            lp, ll = layout.constrain_layer(lp, ll, spec)
+        return layer_fn(carry, lp, projector(lp, ll, lora, key, numerics), x)
+
+    policy = REMAT_POLICIES[remat]
+    body = layer if policy is None else jax.checkpoint(layer, policy=policy)
+    ll = None if lora is None else lora.weights["layers"]
+    return jax.lax.scan(body, carry, (numerics.hold(params)["layers"], ll, keys, xs))
+
+
 def hidden_states(params: Params, tokens: jax.Array, positions: jax.Array, spec: ModelSpec, *,
                   attn_mask: jax.Array | None = None, cache: KVCache | None = None,
                   prefix: KVCache | None = None, lora: Lora | None = None,
                   rng: jax.Array | None = None, remat: str = "none",
-                  shardings: MeshRules | None = None):
+                  shardings: Layout | None = None, numerics: Numerics = REFERENCE):
     """Final-normed hidden states [B, T, E] and the updated cache (None without one).
 
     lora: adapters added to their target linears (None = the frozen base alone, which is also
@@ -241,17 +203,18 @@ def hidden_states(params: Params, tokens: jax.Array, positions: jax.Array, spec:
     remat: what each layer saves for the backward pass, a key of REMAT_POLICIES; dots and full
     also keep dequantized NF4 weights from being saved for the backward, one per layer.
     tokens, positions: [B, T] int32. attn_mask marks valid (non-pad) key slots: [B, T] without a
-    cache, [B, S] over the cache slots with one (default: all valid). With a cache, row b's T
-    new tokens attend causally to its filled slots [0, cache.index[b]) and to each other, then
-    are written at slots [cache.index[b], cache.index[b] + T) (`write_tokens`): the layer scan
+    cache, [B, C] over the cache columns with one (default: all valid). With a cache, row b's T
+    new tokens attend causally to its filled columns [0, cache.index[b]) and to each other, then
+    are written at columns [cache.index[b], cache.index[b] + T) (`write_tokens`): the layer scan
     reads each layer's cache as a scanned input and never carries the cache.
     prefix (only with a cache): keys and values [L, B / R, K, P, D] before every row's cache,
     each shared by a block of R consecutive rows (their prompt, filled to prefix.index), read
     once per block; it is only read, and positions are the caller's (after the prefix).
-    shardings: the mesh the arrays lie on (None: one device, or let the partitioner choose).
-    A call with more than one token per row gathers each layer's weights over the FSDP axes
-    inside the loop (`jaxrl.sharding.layer_weights`); a decode step (one token per row) leaves
-    them split and moves its few activations instead.
+    shardings: the mesh layout of the arrays (`jaxrl.sharding.MeshRules`; None: one device, or
+    let the partitioner choose). A call with more than one token per row gathers each layer's
+    weights over the FSDP axes inside the loop; a decode step (one token per row) leaves them
+    split and moves its few activations instead. numerics: the backend forms
+    (`jaxrl.backends.numerics`).
     """
     b, t = tokens.shape
     if attn_mask is None:
@@ -267,27 +230,18 @@ def hidden_states(params: Params, tokens: jax.Array, positions: jax.Array, spec:
                                axis=2)
     rope = rope_tables(positions, spec)
     many = shardings if t > 1 else None  # the layout of a call with many tokens per row
-    platform = platform_of(shardings)
-    h = split_rows(many, embed(params["embed_tokens"]["embedding"], tokens))  # [B, T, E]
+    h = _rows(many, numerics.embed(params["embed_tokens"]["embedding"], tokens))  # [B, T, E]
 
-    def layer(h, xs):
-        lp, ll, key, kv = xs
-        ll = None if ll is None else unstacked_bits(ll)
-        lp, ll = layer_weights(many, unstacked_bits(lp), ll, spec)
-        h = split_rows(many, h)
+    def layer(h, lp, proj, kv):
         attention = (_attention(mask) if kv is None
                      else _cached_attention(mask, kv[:2], prefix=kv[2:] or None))
-        return decoder_layer(h, lp, projector(lp, ll, lora, key, platform), rope, spec, attention)
+        return decoder_layer(_rows(many, h), lp, proj, rope, spec, attention)
 
-    ll = None if lora is None else lora.weights["layers"]
-    use_dropout = lora is not None and lora.dropout > 0 and rng is not None
-    keys = jax.random.split(rng, spec.num_layers) if use_dropout else None
     kv = None if cache is None else (cache.k, cache.v)
     if prefix is not None:
         kv += (prefix.k, prefix.v)
-    policy = REMAT_POLICIES[remat]
-    body = layer if policy is None else jax.checkpoint(layer, policy=policy)
-    h, new = jax.lax.scan(body, h, (stacked_bits(params["layers"], platform), ll, keys, kv))
+    h, new = _scan_layers(params, lora, h, kv, layer, spec=spec, numerics=numerics,
+                          layout=many, remat=remat, rng=rng)
     h = rms_norm(h, params["norm"]["scale"], spec.rms_norm_eps)
     return h, (None if cache is None else write_tokens(cache, *new))
 
@@ -295,7 +249,8 @@ def hidden_states(params: Params, tokens: jax.Array, positions: jax.Array, spec:
 def prefix_hidden_states(params: Params, tokens: jax.Array, positions: jax.Array,
                          spec: ModelSpec, *, prefix: int, share: int,
                          attn_mask: jax.Array | None = None, lora: Lora | None = None,
-                         remat: str = "none", shardings: MeshRules | None = None):
+                         remat: str = "none", shardings: Layout | None = None,
+                         numerics: Numerics = REFERENCE):
     """`hidden_states` of rows whose first `prefix` columns (tokens, positions and mask) are
     the same in each block of `share` consecutive rows, as a GRPO group's rows share their
     prompt: the prefix runs once per block, and the rows' later columns attend to their block's
@@ -319,36 +274,29 @@ def prefix_hidden_states(params: Params, tokens: jax.Array, positions: jax.Array
                               causal & attn_mask[:, None, prefix:]], axis=2)  # [B, N, P + N]
     rope_p, rope_c = rope_tables(first(positions), spec), rope_tables(positions[:, prefix:], spec)
     table = params["embed_tokens"]["embedding"]
-    hp = split_rows(shardings, embed(table, first(tokens)))  # [B / share, P, E]
-    hc = split_rows(shardings, embed(table, tokens[:, prefix:]))  # [B, N, E]
-    platform = platform_of(shardings)
+    hp = _rows(shardings, numerics.embed(table, first(tokens)))  # [B / share, P, E]
+    hc = _rows(shardings, numerics.embed(table, tokens[:, prefix:]))  # [B, N, E]
 
-    def layer(carry, xs):
-        ll = None if xs[1] is None else unstacked_bits(xs[1])  # as `hidden_states` reads them
-        lp, ll = layer_weights(shardings, unstacked_bits(xs[0]), ll, spec)
-        proj = projector(lp, ll, lora, None, platform)
-        hp, (k, v) = decoder_layer(split_rows(shardings, carry[0]), lp, proj, rope_p, spec,
+    def layer(carry, lp, proj, _):
+        hp, (k, v) = decoder_layer(_rows(shardings, carry[0]), lp, proj, rope_p, spec,
                                    _attention(mask_p, keep=True))
-        hc, _ = decoder_layer(split_rows(shardings, carry[1]), lp, proj, rope_c, spec,
+        hc, _ = decoder_layer(_rows(shardings, carry[1]), lp, proj, rope_c, spec,
                               _cached_attention(mask_c, None, prefix=(k, v)))  # the block's
         return (hp, hc), None
 
-    ll = None if lora is None else lora.weights["layers"]
-    policy = REMAT_POLICIES[remat]
-    body = layer if policy is None else jax.checkpoint(layer, policy=policy)
-    (hp, hc), _ = jax.lax.scan(body, (hp, hc), (stacked_bits(params["layers"], platform), ll))
+    (hp, hc), _ = _scan_layers(params, lora, (hp, hc), None, layer, spec=spec,
+                               numerics=numerics, layout=shardings, remat=remat)
     scale, eps = params["norm"]["scale"], spec.rms_norm_eps
     return rms_norm(hp, scale, eps), rms_norm(hc, scale, eps)
 
 
 def lm_logits(params: Params, h: jax.Array, spec: ModelSpec,
-              platform: str | None = None) -> jax.Array:
-    """Logits [..., V] in float32 from hidden states [..., E]; platform: the program's
-    (`jaxrl.sharding.platform_of`; default: the default backend's)."""
+              numerics: Numerics = REFERENCE) -> jax.Array:
+    """Logits [..., V] in float32 from hidden states [..., E]."""
     if spec.tie_word_embeddings:
         w = params["embed_tokens"]["embedding"]  # [V, E]
-        return product(h, w, transposed=True, backend=platform)
-    return product(h, as_dense(params["lm_head"]["kernel"], h.dtype), backend=platform)
+        return numerics.product(h, w, transposed=True)
+    return numerics.product(h, as_dense(params["lm_head"]["kernel"], h.dtype))
 
 
 def logits_at(logits: jax.Array, ids: jax.Array) -> jax.Array:
@@ -361,11 +309,12 @@ def logits_at(logits: jax.Array, ids: jax.Array) -> jax.Array:
 
 def forward(params: Params, tokens: jax.Array, positions: jax.Array, spec: ModelSpec, *,
             attn_mask: jax.Array | None = None, cache: KVCache | None = None,
-            lora: Lora | None = None, rng: jax.Array | None = None, remat: str = "none"):
+            lora: Lora | None = None, rng: jax.Array | None = None, remat: str = "none",
+            numerics: Numerics = REFERENCE):
     """Logits [B, T, V] (float32) and the updated cache. See `hidden_states` for the inputs."""
     h, cache = hidden_states(params, tokens, positions, spec, attn_mask=attn_mask, cache=cache,
-                             lora=lora, rng=rng, remat=remat)
-    return lm_logits(params, h, spec), cache
+                             lora=lora, rng=rng, remat=remat, numerics=numerics)
+    return lm_logits(params, h, spec, numerics), cache
 
 
 def positions_from_mask(mask: jax.Array) -> jax.Array:

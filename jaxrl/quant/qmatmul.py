@@ -10,7 +10,8 @@ the forms here keep the packed order, level[n, j, k, o] = the codebook value of 
 byte (n*K + k, o) (`select_levels`: selects, no gather), and regroup the inputs to match
 (x[..., n*Bk + 2k + j] as [..., n, k, j], a view of x, not a copy of W):
 
-  block form (memory_bound, e.g. a decode step): one matmul per scale block, scaled after it:
+  block form (calls bound by reading the kernel, e.g. a decode step): one matmul per scale
+      block, scaled after it:
       y[r, o] = sum_n scale[n, o] * sum_{j, k} x[r, n*Bk + 2k + j] * level[n, j, k, o].
       Only selects sit between the packed bytes and the matmul, so the levels never need to
       reach device memory (the TPU compiler keeps them on chip) and a step reads 0.5 bytes per
@@ -24,14 +25,15 @@ byte (n*K + k, o) (`select_levels`: selects, no gather), and regroup the inputs 
       backend does not fuse the block sums, hold [..., N, O] partial products). One matmul
       rounds its float32 sums to the result's dtype once, so on a mesh that splits I (a
       row-parallel layer) the partial sums cross devices in that dtype.
-  split form (every call on a GPU): the even rows' kernel level * scale and the odd rows',
-      each [I/2, O] in x's dtype and computed elementwise from the packed bytes and the scales
-      (no stack, no block sums), times the even and the odd inputs in two matmuls whose float32
-      sums are added and rounded once. On an H200 the block form's stacked levels became a
-      concatenate that XLA:GPU wrote to memory at about 0.8 TB/s, and its float32 block sums
-      were as large as the levels (docs/benchmarks.md, "First accelerator check: one H200");
-      here XLA:GPU may fuse each kernel's elementwise work into its matmul, and where it does
-      not it writes each kernel once in a plain loop, as the dense form does.
+  split form (the GPU's choice, `jaxrl.backends.numerics`): the even rows' kernel
+      level * scale and the odd rows', each [I/2, O] in x's dtype and computed elementwise
+      from the packed bytes and the scales (no stack, no block sums), times the even and the
+      odd inputs in two matmuls whose float32 sums are added and rounded once. On an H200 the
+      block form's stacked levels became a concatenate that XLA:GPU wrote to memory, and its
+      float32 block sums were as large as the levels (docs/benchmarks.md, "First accelerator
+      check: one H200"); here XLA:GPU may fuse each kernel's elementwise work into its
+      matmul, and where it does not it writes each kernel once in a plain loop, as the dense
+      form does.
 
 All forms give each output the same products as x @ dequantize(W) in x's dtype (the block
 form up to its levels' rounding), summed in another order (float32), so they agree with it to
@@ -54,14 +56,6 @@ def _levels(q: QTensor, nibble: int, dtype) -> jax.Array:
 
 
 FORMS = ("block", "dense", "split")
-
-
-def matmul_form(memory_bound: bool, backend: str | None = None) -> str:
-    """The form of `qmatmul` for a call: split on a GPU, else block where the call is bound by
-    reading the kernel (one token per row) and dense otherwise (module docstring)."""
-    if (backend or jax.default_backend()) == "gpu":
-        return "split"
-    return "block" if memory_bound else "dense"
 
 
 def qmatmul(x: jax.Array, q: QTensor, *, form: str, dtype=jnp.float32) -> jax.Array:

@@ -74,20 +74,13 @@ def resident_bytes(params: dict[str, Any]) -> int:
                    params, is_leaf=lambda x: isinstance(x, QTensor)))
 
 
-def dequantize_strategy(quant: QuantSettings, backend: str | None = None) -> str:
-    """"per_layer" or "once" for quant.dequantize; "auto" resolves by backend (see config)."""
-    if quant.dequantize != "auto":
-        return quant.dequantize
-    return "once" if (backend or jax.default_backend()) == "cpu" else "per_layer"
-
-
 @functools.partial(jax.jit, static_argnums=1)
 def dequantize_params(params: dict[str, Any], dtype) -> dict[str, Any]:
     """The params with every QTensor replaced by its dense kernel in `dtype`: one compiled
     program, so each kernel's codes are read once and its dense form written once. Run op by
     op instead, each kernel's unpacked codes, sixteen candidate levels and selects would exist
-    as kernel-sized float32 arrays one after another (the default model's load then touched
-    about 7 GB of host memory for a 0.5 GB result)."""
+    as kernel-sized float32 arrays one after another (docs/benchmarks.md, "Host memory kept
+    between calls")."""
     return jax.tree_util.tree_map(
         lambda x: dequantize(x, dtype) if isinstance(x, QTensor) else x, params,
         is_leaf=lambda x: isinstance(x, QTensor))

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl.backends.numerics import Numerics, numerics_of
 from jaxrl.lora.lora import Lora
 from jaxrl.model.families import ModelSpec
 from jaxrl.model.transformer import Params, positions_from_mask
@@ -38,14 +39,16 @@ class ScoreOptions:
     decay: float = 0.9  # weight of continuation token i is decay ** i
     tokens_per_batch: int = 8192  # B * W per forward pass
     max_tokens: int = 2048  # longer rows keep the end of their context (the part nearest)
+    numerics: Numerics | None = None  # the backend forms; None: the default device's choice
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "start"))
+@functools.partial(jax.jit, static_argnames=("spec", "start", "numerics"))
 def _weighted_sums(params: Params, lora: Lora | None, tokens: jax.Array, mask: jax.Array,
-                   weights: jax.Array, *, spec: ModelSpec, start: int) -> jax.Array:
+                   weights: jax.Array, *, spec: ModelSpec, start: int,
+                   numerics: Numerics) -> jax.Array:
     """sum_j weights[:, j] * log p(tokens[:, start + j] | tokens[:, :start + j]): [B] float32."""
     logp, _ = token_logprobs(params, spec, tokens, positions_from_mask(mask), mask, lora,
-                             start=start, remat="none")  # [B, W - start]
+                             start=start, remat="none", numerics=numerics)  # [B, W - start]
     return jnp.sum(logp * weights, axis=1)
 
 
@@ -98,9 +101,11 @@ def score_pairs(params: Params, spec: ModelSpec, pairs: Sequence[Pair], lora: Lo
     """The weighted continuation log-likelihood [len(pairs)] float64 of each (context ids,
     continuation ids) pair under the model (with `lora` when given)."""
     rows = [_row(pair, opts.max_tokens) for pair in pairs]
+    numerics = numerics_of(None) if opts.numerics is None else opts.numerics
     scores = np.zeros(len(rows), np.float64)
     for members, size, width in _plan([len(ids) for ids, _ in rows], opts.tokens_per_batch):
         *arrays, start = _batch_arrays([rows[i] for i in members], size, width, opts.decay)
-        sums = _weighted_sums(params, lora, *map(jnp.asarray, arrays), spec=spec, start=start)
+        sums = _weighted_sums(params, lora, *map(jnp.asarray, arrays), spec=spec, start=start,
+                              numerics=numerics)
         scores[members] = np.asarray(jax.device_get(sums))[:len(members)]
     return scores

@@ -23,11 +23,12 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from jaxrl.backends.numerics import REFERENCE, Numerics
 from jaxrl.lora.lora import Lora
 from jaxrl.model.families import ModelSpec
 from jaxrl.model.transformer import (Params, hidden_states, lm_logits, logits_at,
                                      prefix_hidden_states)
-from jaxrl.sharding import MeshRules, head_logits, platform_of
+from jaxrl.sharding import MeshRules, head_logits
 
 
 def _chunk_stats(logits: jax.Array, targets: jax.Array, with_entropy: bool):
@@ -82,7 +83,8 @@ def token_logprobs(params: Params, spec: ModelSpec, tokens: jax.Array, positions
                    attn_mask: jax.Array | None = None, lora: Lora | None = None, *,
                    start: int = 1, chunk: int = 128, temperature: float = 1.0,
                    with_entropy: bool = False, remat: str = "full", rng: jax.Array | None = None,
-                   shardings: MeshRules | None = None, share: int = 1):
+                   shardings: MeshRules | None = None, share: int = 1,
+                   numerics: Numerics = REFERENCE):
     """(logp [B, T - start], entropy [B, T - start] or None) of tokens[:, start:], float32.
 
     tokens, positions, attn_mask [B, T] as for `hidden_states`; lora None scores the frozen base
@@ -95,6 +97,7 @@ def token_logprobs(params: Params, spec: ModelSpec, tokens: jax.Array, positions
     [B, C] across that split. share: blocks of that many consecutive rows hold the same first
     `start` columns (a GRPO group's prompt), which then run once per block
     (`jaxrl.model.transformer.prefix_hidden_states`; not with LoRA dropout); 1: every row alone.
+    numerics: the backend forms (`jaxrl.backends.numerics`).
     """
     t = tokens.shape[1]
     if not 1 <= start < t:
@@ -106,15 +109,15 @@ def token_logprobs(params: Params, spec: ModelSpec, tokens: jax.Array, positions
             raise ValueError("rows sharing their prompt (share > 1) take no LoRA dropout")
         prefix, rest = prefix_hidden_states(params, tokens, positions, spec, prefix=start,
                                             share=share, attn_mask=attn_mask, lora=lora,
-                                            remat=remat, shardings=shardings)
+                                            remat=remat, shardings=shardings,
+                                            numerics=numerics)
         # the prefix's last position predicts each row's first scored token
         h = jnp.concatenate([jnp.repeat(prefix[:, -1:], share, axis=0), rest[:, :-1]], axis=1)
     else:
         h, _ = hidden_states(params, tokens, positions, spec, attn_mask=attn_mask, lora=lora,
-                             rng=rng, remat=remat, shardings=shardings)
+                             rng=rng, remat=remat, shardings=shardings, numerics=numerics)
         h = h[:, start - 1:-1]
-    platform = platform_of(shardings)
     return chunked_logprobs(h, tokens[:, start:],
-                            lambda x: head_logits(shardings, lm_logits(params, x, spec, platform)),
+                            lambda x: head_logits(shardings, lm_logits(params, x, spec, numerics)),
                             chunk=chunk, temperature=temperature, with_entropy=with_entropy,
                             remat=remat != "none")

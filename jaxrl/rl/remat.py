@@ -14,14 +14,14 @@ analysis, the figures `jaxrl plan` reports) within the device's memory
 available when the step is compiled). When neither fits, full runs (its figures are the
 smallest). A program the compiler refuses for lack of memory counts as not fitting. With several
 processes, each picks by its own devices' memory and all then run the policy that recomputes
-most among their picks, so that every process runs the same program.
+most among their picks, so that every process runs the same program. A run compiles its step
+with `compile_step`, which dispatches auto here; `jaxrl.rl.train_step` knows only the named
+policies.
 
 none is never chosen by auto (ask for it by name): dots recomputes no matmul, only elementwise
 work that XLA fuses into the backward's loops, while none makes the layer scan keep a stacked
-[layers, ...] buffer for every intermediate, each filled, written per layer and read back. On
-the quickstart that traffic cost more than the recomputation: update 17.0 s under none against
-12.9 s under dots and 13.0 s under full, at 5.9, 2.6 and 1.5 GiB (docs/benchmarks.md,
-Recomputation).
+[layers, ...] buffer for every intermediate, each filled, written per layer and read back,
+which on the quickstart cost more than the recomputation (docs/benchmarks.md, Recomputation).
 """
 from __future__ import annotations
 
@@ -87,3 +87,10 @@ class AutoRematStep:
             self.compiled[key], self.policies[key] = compiled, policy
         return self.compiled[key](state, params, batch)
 
+
+def compile_step(spec, optimizer, opts, shardings=None):
+    """The GRPO step for opts.remat, called as the jitted step is: under auto an
+    `AutoRematStep`, else `jaxrl.rl.train_step.compile_train_step`'s jitted step."""
+    if opts.remat == "auto":
+        return AutoRematStep(spec, optimizer, opts, shardings)
+    return compile_train_step(spec, optimizer, opts, shardings)

@@ -8,26 +8,22 @@ import sys
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from jaxrl import distributed
+from jaxrl.backends.numerics import numerics_of
 from jaxrl.checkpoint import Checkpoints
 from jaxrl.config import Config, ConfigError
 from jaxrl.data.pipeline import build_pool, train_iterator
 from jaxrl.data.prompts import prompt_fits
-from jaxrl.hf.default_model import resolve_model_path
-from jaxrl.hf.tokenizer import (chat_prompt_text, detokenizer, eos_token_ids, load_tokenizer,
-                                text_ids)
-from jaxrl.lora.start import start_lora
-from jaxrl.model.families import load_spec
-from jaxrl.model.transformer import layer_bits
-from jaxrl.quant.qparams import dequantize_strategy
+from jaxrl.hf.loader import load_model
+from jaxrl.hf.peft_io import start_lora
+from jaxrl.hf.tokenizer import chat_prompt_text, detokenizer, eos_token_ids, text_ids
 from jaxrl.rewards.pool import RewardPool, pipelined
 from jaxrl.rl.episodes import Chat
+from jaxrl.rl.remat import compile_step
 from jaxrl.rl.rollout import Rollout, unpack_rollout
-from jaxrl.rl.train_step import (StepOptions, compile_reference, compile_train_step,
-                                 init_train_state, make_optimizer)
+from jaxrl.rl.train_step import StepOptions, compile_reference, init_train_state, make_optimizer
 from jaxrl.sharding import MeshRules, place, reference_shardings, step_shardings
 
 
@@ -53,23 +49,8 @@ def step_options(cfg: Config, rules: MeshRules | None = None) -> StepOptions:
                           "grpo.num_generations)")
     return StepOptions(grpo=cfg.grpo, temperature=learner_temperature(cfg),
                        max_new_tokens=completion_width(cfg), micro_batches=rows // micro,
-                       remat=cfg.optim.remat, seed=cfg.run.seed, mesh=rules)
-
-
-def load_model(cfg: Config, rules, log: Callable[[str], None]):
-    """(model directory, spec, tokenizer, params as the run holds them: on the mesh of `rules`,
-    dense where quant.dequantize resolves to once, bfloat16 layer weights as their bits on the
-    CPU (`layer_bits`))."""
-    model_dir = resolve_model_path(cfg.model.path)
-    spec = load_spec(model_dir)
-    tokenizer = load_tokenizer(model_dir)
-    log(f"loading {model_dir} ({spec.family}, {spec.num_layers} layers) as "
-        f"{cfg.quant.mode} + LoRA r{cfg.lora.rank}")
-    dtype = jnp.dtype(cfg.model.dtype)
-    params = distributed.load_params(model_dir, spec, dtype, cfg.quant, rules)
-    if dequantize_strategy(cfg.quant) == "once":
-        params = distributed.dequantized(params, dtype, spec, rules)
-    return model_dir, spec, tokenizer, layer_bits(params)
+                       remat=cfg.optim.remat, seed=cfg.run.seed, mesh=rules,
+                       numerics=numerics_of(rules))
 
 
 def prompt_share_limit(cfg: Config, rules: MeshRules | None, local_rows: int) -> int:
@@ -105,13 +86,13 @@ def _my_prompts(cfg: Config, rules) -> tuple[slice, tuple[int, int]]:
 
 def make_trainer(cfg: Config, spec, params, rules, key: jax.Array):
     """(fresh train state, lr schedule, compiled train step, the step's shardings or None)."""
-    lora = start_lora(cfg, spec, jax.random.fold_in(key, 1 << 20))
+    lora = start_lora(cfg.lora, spec, jax.random.fold_in(key, 1 << 20))
     optimizer, schedule = make_optimizer(cfg.optim, cfg.run.steps)
     state = init_train_state(lora, optimizer)
     rows = cfg.data.prompts_per_step * cfg.grpo.num_generations
     shardings = None if rules is None else step_shardings(rules, state, params, spec, optimizer,
                                                           rows)
-    train_step = compile_train_step(spec, optimizer, step_options(cfg, rules), shardings)
+    train_step = compile_step(spec, optimizer, step_options(cfg, rules), shardings)
     return state, schedule, train_step, shardings
 
 
@@ -137,8 +118,10 @@ class Session:
     def __init__(self, cfg: Config, log: Callable[[str], None] = print):
         self.cfg, self.log = cfg, log
         self.rules = distributed.session_rules(cfg.mesh)  # None: one device
-        model_dir, self.spec, self.tokenizer, self.params = load_model(cfg, self.rules, log)
-        self.eos_ids = eos_token_ids(self.tokenizer, model_dir)
+        model = load_model(cfg.model.path, dtype=cfg.model.dtype, quant=cfg.quant,
+                           numerics=numerics_of(self.rules), rules=self.rules, log=log)
+        self.spec, self.tokenizer, self.params = model.spec, model.tokenizer, model.params
+        self.eos_ids = eos_token_ids(self.tokenizer, model.path)
         self.detokenize = detokenizer(self.tokenizer)
         self.chat = Chat(self.tokenizer, self.eos_ids)  # renders episodes (data.env)
         self.prompts, self.row_range = _my_prompts(cfg, self.rules)
@@ -147,7 +130,7 @@ class Session:
             cfg, self.spec, self.params, self.rules, self.key)
         pool = build_pool(cfg.data, keep=prompt_fits(self.tokenizer, cfg.data.max_prompt_tokens))
         self.data = train_iterator(pool, cfg.data)
-        self.checkpoints = Checkpoints(cfg, model_dir, self.spec, log, rows=self.row_range)
+        self.checkpoints = Checkpoints(cfg, model.path, self.spec, log, rows=self.row_range)
         # pending: the Rollout sampled before the update of start_step, when resumed with it
         self.state, self.key, self.start_step, self.pending = _resume(
             self.checkpoints, self.state, self.key, self.data)

@@ -1,7 +1,7 @@
 """One GRPO policy update: jitted, LoRA and optimizer state donated, micro-batched; and the
 reference pass, micro-batched alike.
 
-Glossary: B completions, S = P + N tokens per row (left-padded prompt of width P, completion of
+Glossary: B completions, T = P + N tokens per row (left-padded prompt of width P, completion of
 width N), M micro-batches of B / M rows.
 
 Only the LoRA pytree is differentiated; the frozen (possibly NF4) base params are an argument
@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
+from jaxrl.backends.numerics import REFERENCE, Numerics
 from jaxrl.config import GrpoConfig, OptimConfig
 from jaxrl.lora.lora import Lora
 from jaxrl.model.families import ModelSpec
@@ -44,9 +45,9 @@ class TrainState:
 class Batch:
     """A scored rollout batch, all arrays on device."""
 
-    tokens: jax.Array  # [B, S] int32
-    positions: jax.Array  # [B, S] int32
-    attn_mask: jax.Array  # [B, S] bool, valid tokens
+    tokens: jax.Array  # [B, T] int32
+    positions: jax.Array  # [B, T] int32
+    attn_mask: jax.Array  # [B, T] bool, valid tokens
     completion_mask: jax.Array  # [B, N] bool, completion tokens up to and including EOS
     logp_old: jax.Array  # [B, N] float32, the sampler's log-probs (pi_old)
     advantages: jax.Array  # [B] float32
@@ -68,6 +69,7 @@ class StepOptions:
     remat: str = "full"  # a key of jaxrl.model.transformer.REMAT_POLICIES, or auto
     seed: int = 0  # of the LoRA dropout keys (run.seed)
     mesh: MeshRules | None = None  # the mesh the step runs on: how its weights are gathered
+    numerics: Numerics = REFERENCE  # the backend forms (`jaxrl.backends.numerics.numerics_of`)
 
 
 def make_optimizer(optim: OptimConfig, total_steps: int):
@@ -120,7 +122,7 @@ def _loss(lora: Lora, params, spec: ModelSpec, mb: Batch, weights: jax.Array,
         params, spec, mb.tokens, mb.positions, mb.attn_mask, lora,
         start=mb.tokens.shape[1] - width, chunk=opts.logprob_chunk,
         temperature=opts.temperature, with_entropy=True, remat=opts.remat, rng=rng,
-        shardings=opts.mesh, share=mb.share)
+        shardings=opts.mesh, share=mb.share, numerics=opts.numerics)
     loss, metrics = grpo_loss(logp, mb.logp_old, mb.advantages, mb.completion_mask, opts.grpo,
                               ref_logp=mb.ref_logp, max_new_tokens=opts.max_new_tokens,
                               weights=weights, entropy=entropy, selected=selected)
@@ -186,7 +188,7 @@ def batch_entropy(lora, params, spec, batch: Batch, opts: StepOptions,
                               start=mb.tokens.shape[1] - width, chunk=opts.logprob_chunk,
                               temperature=opts.temperature, with_entropy=True, remat="none",
                               rng=micro_key(rng, index), shardings=opts.mesh,
-                              share=mb.share)[1]
+                              share=mb.share, numerics=opts.numerics)[1]
     m = opts.micro_batches
     entropy = jax.lax.map(lambda x: one(*x), (jnp.arange(m), _split(batch, m)))
     return entropy.reshape(batch.completion_mask.shape)
@@ -258,7 +260,7 @@ def reference_logprobs(params, tokens: jax.Array, positions: jax.Array, attn_mas
         return token_logprobs(params, spec, tok, pos, mask, None,
                               start=tok.shape[1] - n, chunk=opts.logprob_chunk,
                               temperature=opts.temperature, remat="none",
-                              shardings=opts.mesh, share=share)[0]
+                              shardings=opts.mesh, share=share, numerics=opts.numerics)[0]
 
     b, m = tokens.shape[0], opts.micro_batches
     if b % m:
@@ -295,11 +297,7 @@ def jit_step(step, shardings: tuple[Any, Any] | None = None):
 
 def compile_train_step(spec: ModelSpec, optimizer: optax.GradientTransformation,
                        opts: StepOptions, shardings: tuple[Any, Any] | None = None):
-    """The jitted GRPO step (see `jit_step`); with opts.remat auto, a step that picks its
-    policy for each batch shape it meets (`jaxrl.rl.remat.AutoRematStep`)."""
-    if opts.remat == "auto":
-        from jaxrl.rl.remat import AutoRematStep
-
-        return AutoRematStep(spec, optimizer, opts, shardings)
+    """The jitted GRPO step (see `jit_step`) recomputing as opts.remat, a policy of
+    `jaxrl.model.transformer.REMAT_POLICIES`, says (auto: `jaxrl.rl.remat.compile_step`)."""
     return jit_step(functools.partial(train_step, spec=spec, optimizer=optimizer, opts=opts),
                     shardings)

@@ -22,6 +22,7 @@ import jax
 import numpy as np
 
 from jaxrl import distributed
+from jaxrl.backends.numerics import Numerics, numerics_of
 from jaxrl.lora.lora import Lora
 from jaxrl.model.families import ModelSpec
 from jaxrl.model.transformer import Params
@@ -42,12 +43,13 @@ class Engine:
     group), submitted together (`submit_group`); the block holds the prompt's keys and values
     once, in the first prompt_capacity of each slot's capacity columns, and every step reads
     them once for the R slots. Such slots are freed a block at a time and cannot be held for
-    continuations."""
+    continuations. numerics: the backend forms its programs take (`jaxrl.backends.numerics`;
+    None: the choice for the mesh's devices, or the default device's)."""
 
     def __init__(self, params: Params, spec: ModelSpec, *, eos_ids: Sequence[int] = (),
                  slots: int = 16, capacity: int = 2048, chunk: int = 16,
                  lora: Lora | None = None, shardings: MeshRules | None = None, share: int = 1,
-                 prompt_capacity: int = 0):
+                 prompt_capacity: int = 0, numerics: Numerics | None = None):
         if slots < 1 or capacity < 2 or chunk < 1:
             raise ValueError(f"an engine needs slots >= 1, capacity >= 2 and chunk >= 1; got "
                              f"{slots}, {capacity}, {chunk}")
@@ -58,12 +60,14 @@ class Engine:
                              f"between 1 and the {capacity - 1} columns left for new tokens; "
                              f"got prompt_capacity {prompt_capacity}")
         self.spec, self.shardings = spec, shardings
+        self.numerics = numerics_of(shardings) if numerics is None else numerics
         self.slots, self.capacity, self.chunk = slots, capacity, chunk
         self.share, self.prompt_capacity = share, (prompt_capacity if share > 1 else 0)
         self.eos_ids = tuple(int(i) for i in eos_ids)
         self.params, self.lora = params, lora
         self.state = init_slots(params, spec=spec, slots=slots, capacity=capacity, share=share,
-                                prompt_capacity=self.prompt_capacity, shardings=shardings)
+                                prompt_capacity=self.prompt_capacity, shardings=shardings,
+                                numerics=self.numerics)
         self._first, self._local_slots = start, stop - start  # this process's: [start, stop)
         self._free = deque(range(start // share, stop // share))  # free blocks of share slots
         self._busy: dict[int, int] = {}  # block -> its slots not yet freed
@@ -153,7 +157,7 @@ class Engine:
         if distributed.host_max(len(self._active)):
             self.state, chunk = generate(self.state, self.params, self.lora, spec=self.spec,
                                          eos_ids=self.eos_ids, steps=self.chunk,
-                                         shardings=self.shardings)
+                                         shardings=self.shardings, numerics=self.numerics)
             chunk, live = self._local((chunk, self.state.live))
             self.stats.chunks += 1
             self.stats.steps += int(chunk.emitted.any(axis=0).sum())
@@ -215,7 +219,7 @@ class Engine:
         self.state, picked, done = admit(
             self.state, self.params, self.lora, prompts, lengths, rows["src"], rows["dst"],
             rows["keys"], rows["settings"], rows["budget"], spec=self.spec,
-            eos_ids=self.eos_ids, shardings=self.shardings)
+            eos_ids=self.eos_ids, shardings=self.shardings, numerics=self.numerics)
         p, done = self._local((picked, done))
         self.stats.prefills += len(distinct)
         self.stats.admitted += n
@@ -264,7 +268,7 @@ class Engine:
             data = distributed.rows_to_global(self.shardings, data)
         self.state, picked, done = extend(self.state, self.params, self.lora, *data,
                                           spec=self.spec, eos_ids=self.eos_ids,
-                                          shardings=self.shardings)
+                                          shardings=self.shardings, numerics=self.numerics)
         picked, done = self._local((picked, done))
         self.stats.continued += len(take)
         for request in take:

@@ -23,7 +23,7 @@ decode step's attention reads it once for the block: the R rows' queries form on
 against it. Requests in blocks are admitted and freed a block at a time and cannot be held
 for continuations.
 
-Programs (jitted; static: the model spec, EOS ids, mesh and the shapes):
+Programs (jitted; static: the model spec, EOS ids, mesh, numerics and the shapes):
   admit     prefill U distinct prompts once (right-padded to P), copy row src[m]'s P cache
             columns into slot dst[m] for each of M new slots (the G completions of a prompt
             share one prefill; with blocks, into the block's prefix cache once), and draw each
@@ -42,9 +42,9 @@ so the programs number at most one `generate`, one `admit` per (U, M, P) bucket 
 Both programs run the model's `lax.scan` over the stacked layers (`hidden_states`), the loop
 training runs, with NF4 kernels dequantized one layer at a time inside it; the scan reads each
 layer's cache in place and each step writes only its new token per slot, once, after the scan
-(`kv_cache.write_tokens`), into the donated state. The cache is float32 on CPU (XLA:CPU
-converts a bf16 cache whole to float32 for that write) and in the activations' dtype
-elsewhere, which is lossless: keys and values are computed in that dtype.
+(`kv_cache.write_tokens`), into the donated state. The backend forms, the cache's dtype and the
+decode program's compiler options come from the static `numerics` (`jaxrl.backends.numerics`;
+default: the XLA reference forms).
 
 """
 from __future__ import annotations
@@ -55,14 +55,15 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from jaxrl.backends.numerics import REFERENCE, Numerics, Program
 from jaxrl.lora.lora import Lora
 from jaxrl.model.families import ModelSpec
 from jaxrl.model.kv_cache import KVCache, init_cache
-from jaxrl.model.transformer import Params, forward_lora, hidden_states, lm_logits
+from jaxrl.model.transformer import Params, hidden_states, lm_logits
 from jaxrl.sampling.sampling_fns import (MAX_TOP_LOGPROBS, Decoding, History, RowSettings,
                                          next_token)
 from jaxrl.sharding import (MeshRules, cache_shardings, constrain, head_logits, head_rules,
-                            lora_shardings, param_shardings, platform_of, row_shardings,
+                            lora_shardings, param_shardings, row_shardings,
                             vocab_top_k)
 
 
@@ -95,43 +96,41 @@ class Chunk:
     top_logprobs: jax.Array  # [S, N, MAX_TOP_LOGPROBS] float32
 
 
-def _cache_dtype(params: Params, shardings: MeshRules | None):
-    return (jnp.float32 if platform_of(shardings) == "cpu"
-            else params["embed_tokens"]["embedding"].dtype)
+def _cache_dtype(params: Params, numerics: Numerics):
+    return numerics.cache_dtype(params["embed_tokens"]["embedding"].dtype)
 
 
-def decode_logits(params: Params, h: jax.Array, spec: ModelSpec,
-                  shardings: MeshRules | None) -> jax.Array:
-    """Logits [S, V] float32 of a decode step's hidden states h [S, E]. On one CPU device with
-    a tied head they are computed vocab-major, [V, E] x [S, E] -> [V, S], and then transposed:
-    XLA:CPU's matmul runs the [V, E] table as the long side that way, 7.0 against 10.5 ms for
-    [49152, 576] and 16 rows (docs/benchmarks.md, "Where the rollout's time goes"); the barrier
-    keeps XLA from folding the transpose back into the product."""
-    if shardings is not None or not spec.tie_word_embeddings or platform_of(None) != "cpu":
-        return head_logits(shardings, lm_logits(params, h, spec, platform_of(shardings)))
-    table = params["embed_tokens"]["embedding"]  # [V, E]
-    vocab_major = jnp.einsum("ve,se->vs", table.astype(h.dtype), h,
-                             preferred_element_type=jnp.float32)
-    return jax.lax.optimization_barrier(vocab_major).T
+def decode_logits(params: Params, h: jax.Array, spec: ModelSpec, shardings: MeshRules | None,
+                  numerics: Numerics = REFERENCE) -> jax.Array:
+    """Logits [S, V] float32 of a decode step's hidden states h [S, E]: the numerics' own form
+    of a tied head on one device where it has one (`Numerics.tied_decode_logits`), else the
+    model's head laid out as `head_logits` lays it."""
+    if shardings is None and spec.tie_word_embeddings:
+        own = numerics.tied_decode_logits(params["embed_tokens"]["embedding"], h)
+        if own is not None:
+            return own
+    return head_logits(shardings, lm_logits(params, h, spec, numerics))
 
 
-def _place(params, lora, spec, shardings):
-    """params and lora laid out on the mesh, lora in the compute dtype (`forward_lora`)."""
+def _place(params, lora, spec, shardings, numerics: Numerics):
+    """params and lora laid out on the mesh, lora in the compute dtype as the numerics holds
+    it (`Numerics.hold_adapters`)."""
     if shardings is not None:
         params = constrain(params, param_shardings(shardings, params, spec))
         if lora is not None:
             lora = constrain(lora, lora_shardings(shardings, lora, spec))
     dtype = params["embed_tokens"]["embedding"].dtype
-    return params, forward_lora(lora, dtype, platform_of(shardings))
+    return params, numerics.hold_adapters(lora, dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "slots", "capacity", "share",
-                                             "prompt_capacity", "shardings"))
+                                             "prompt_capacity", "shardings", "numerics"))
 def init_slots(params: Params, *, spec: ModelSpec, slots: int, capacity: int, share: int = 1,
-               prompt_capacity: int = 0, shardings: MeshRules | None = None) -> Slots:
+               prompt_capacity: int = 0, shardings: MeshRules | None = None,
+               numerics: Numerics = REFERENCE) -> Slots:
     """S empty slots of `capacity` cache columns each; with share R > 1, in blocks of R slots
     that share the first prompt_capacity of those columns (one prompt per block)."""
-    dtype = _cache_dtype(params, shardings)
+    dtype = _cache_dtype(params, numerics)
     prefix = None
     if share > 1:
         prefix = init_cache(spec, slots // share, prompt_capacity, dtype)
@@ -159,11 +158,13 @@ def _slot_shardings(shardings: MeshRules, state: Slots) -> Slots:
 
 
 def abstract_slots(params: Params, spec: ModelSpec, slots: int, capacity: int,
-                   shardings: MeshRules, share: int = 1, prompt_capacity: int = 0) -> Slots:
+                   shardings: MeshRules, share: int = 1, prompt_capacity: int = 0,
+                   numerics: Numerics = REFERENCE) -> Slots:
     """ShapeDtypeStructs of `init_slots` with their shardings, for compiling the engine's
     programs without data (`jaxrl plan`)."""
     make = functools.partial(init_slots, spec=spec, slots=slots, capacity=capacity,
-                             share=share, prompt_capacity=prompt_capacity, shardings=shardings)
+                             share=share, prompt_capacity=prompt_capacity, shardings=shardings,
+                             numerics=numerics)
     shapes = jax.eval_shape(make, params)
     return jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                                   shapes, _slot_shardings(shardings, shapes))
@@ -184,25 +185,27 @@ def _fold(keys: jax.Array, t: jax.Array) -> jax.Array:
     return jax.vmap(jax.random.fold_in)(keys, t)
 
 
-@functools.partial(jax.jit, donate_argnums=0, static_argnames=("spec", "eos_ids", "shardings"))
+@functools.partial(jax.jit, donate_argnums=0,
+                   static_argnames=("spec", "eos_ids", "shardings", "numerics"))
 def admit(state: Slots, params: Params, lora: Lora | None, prompts: jax.Array,
           lengths: jax.Array, src: jax.Array, dst: jax.Array, keys: jax.Array,
           settings: RowSettings, budget: jax.Array, *, spec: ModelSpec,
-          eos_ids: tuple[int, ...], shardings: MeshRules | None = None):
+          eos_ids: tuple[int, ...], shardings: MeshRules | None = None,
+          numerics: Numerics = REFERENCE):
     """Prefill prompts [U, P] (right-padded; lengths [U]) and fill slots dst [M] from rows
     src [M] with keys [M, 2], settings [M] and budgets [M] (module docstring). With blocks of
     R slots sharing a prompt (state.prefix), M is a multiple of R and each R consecutive
     entries fill one block's slots in order from one row. Returns the new state and, per new
     slot [M], its first token with its log-probs (`Picked`) and whether the slot is already
     done."""
-    params, lora = _place(params, lora, spec, shardings)
+    params, lora = _place(params, lora, spec, shardings, numerics)
     u, p = prompts.shape
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (u, p))
-    pre = init_cache(spec, u, p, _cache_dtype(params, shardings))
+    pre = init_cache(spec, u, p, _cache_dtype(params, numerics))
     h, pre = hidden_states(params, prompts, positions, spec, cache=pre, lora=lora,
-                           shardings=shardings)
+                           shardings=shardings, numerics=numerics)
     last = jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [U, E]
-    head = lm_logits(params, last, spec, platform_of(shardings))
+    head = lm_logits(params, last, spec, numerics)
     logits = head_logits(shardings, head[src])  # [M, V]
     seen = jax.tree_util.tree_map(lambda a: a[src],
                                   History.of_prompts(prompts, lengths, spec.vocab_size))
@@ -231,21 +234,14 @@ def admit(state: Slots, params: Params, lora: Lora | None, prompts: jax.Array,
     return state, picked, done
 
 
-# How XLA:CPU orders a decode step: its default (concurrency-optimized) schedule runs a layer's
-# weight copies and matmuls side by side, where on few cores they compete for memory; ordered
-# for memory, the decode step ran 1.5-1.7x faster on 2 cores (docs/benchmarks.md, "Where the
-# rollout's time goes"). A CPU option; other backends ignore it.
-DECODE_COMPILER_OPTIONS = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
-
-
-@functools.partial(jax.jit, donate_argnums=0,
-                   static_argnames=("spec", "eos_ids", "steps", "shardings"),
-                   compiler_options=DECODE_COMPILER_OPTIONS)
+# the decode program, jitted with the numerics' compiler options for it
+@functools.partial(Program, program="decode", donate_argnums=0,
+                   static_argnames=("spec", "eos_ids", "steps", "shardings", "numerics"))
 def generate(state: Slots, params: Params, lora: Lora | None, *, spec: ModelSpec,
-             eos_ids: tuple[int, ...], steps: int,
-             shardings: MeshRules | None = None) -> tuple[Slots, Chunk]:
+             eos_ids: tuple[int, ...], steps: int, shardings: MeshRules | None = None,
+             numerics: Numerics = REFERENCE) -> tuple[Slots, Chunk]:
     """Advance every live slot by up to `steps` tokens (module docstring)."""
-    params, lora = _place(params, lora, spec, shardings)
+    params, lora = _place(params, lora, spec, shardings, numerics)
     s, c = state.last.shape[0], state.cache.max_len
     eos = jnp.asarray(eos_ids, jnp.int32)
     ones = jnp.ones((s, c), bool)
@@ -259,8 +255,8 @@ def generate(state: Slots, params: Params, lora: Lora | None, *, spec: ModelSpec
         index = st.cache.index
         h, cache = hidden_states(params, st.last[:, None], (index + offset)[:, None], spec,
                                  attn_mask=ones, cache=st.cache, prefix=st.prefix, lora=lora,
-                                 shardings=shardings)
-        logits = decode_logits(params, h[:, -1], spec, shardings)  # [S, V]
+                                 shardings=shardings, numerics=numerics)
+        logits = decode_logits(params, h[:, -1], spec, shardings, numerics)  # [S, V]
         picked = next_token(_fold(st.keys, st.count), logits, st.settings, st.history, top_k)
         token, live = picked.token, st.live
         done = jnp.isin(token, eos) | (st.count + 1 >= st.budget)
@@ -297,10 +293,12 @@ def _appended_history(history: History, tokens: jax.Array, count: jax.Array,
         True, mode="drop"))
 
 
-@functools.partial(jax.jit, donate_argnums=0, static_argnames=("spec", "eos_ids", "shardings"))
+@functools.partial(jax.jit, donate_argnums=0,
+                   static_argnames=("spec", "eos_ids", "shardings", "numerics"))
 def extend(state: Slots, params: Params, lora: Lora | None, tokens: jax.Array, start: jax.Array,
            count: jax.Array, keys: jax.Array, settings: RowSettings, budget: jax.Array, *,
-           spec: ModelSpec, eos_ids: tuple[int, ...], shardings: MeshRules | None = None):
+           spec: ModelSpec, eos_ids: tuple[int, ...], shardings: MeshRules | None = None,
+           numerics: Numerics = REFERENCE):
     """Continue the slots with count [S] > 0 (module docstring): their caches keep columns
     [0, start) and gain the first count tokens of tokens [S, A] (right-padded) behind them;
     then each draws a first token with keys [S, 2], settings [S] and budget [S]. Slots with
@@ -309,7 +307,7 @@ def extend(state: Slots, params: Params, lora: Lora | None, tokens: jax.Array, s
     log-probs (`Picked`) and whether the slot is already done."""
     if state.prefix is not None:
         raise ValueError("slots that share a prompt cannot be continued")
-    params, lora = _place(params, lora, spec, shardings)
+    params, lora = _place(params, lora, spec, shardings, numerics)
     s, a = tokens.shape
     on = count > 0
     index = jnp.where(on, start, state.cache.index)
@@ -317,10 +315,10 @@ def extend(state: Slots, params: Params, lora: Lora | None, tokens: jax.Array, s
     h, cache = hidden_states(params, tokens, positions, spec,
                              attn_mask=jnp.ones((s, state.cache.max_len), bool),
                              cache=state.cache.replace(index=index), lora=lora,
-                             shardings=shardings)
+                             shardings=shardings, numerics=numerics)
     last = jnp.take_along_axis(h, jnp.maximum(count - 1, 0)[:, None, None], axis=1)[:, 0]
     logits = head_logits(shardings,
-                         lm_logits(params, last, spec, platform_of(shardings)))  # [S, V]
+                         lm_logits(params, last, spec, numerics))  # [S, V]
     seen = _appended_history(state.history, tokens, count, spec.vocab_size)
     picked = next_token(_fold(keys, 0), logits, settings, seen,
                         vocab_top_k(shardings, *logits.shape))

@@ -29,6 +29,7 @@ import jax
 import numpy as np
 
 from jaxrl import distributed
+from jaxrl.backends.numerics import Numerics
 from jaxrl.config import SamplingConfig
 from jaxrl.lora.lora import Lora
 from jaxrl.model.families import ModelSpec
@@ -107,7 +108,8 @@ def slot_layout(rows: int, share: int, limit: int = 0, ways: int = 1) -> tuple[i
 def sample(params: Params, spec: ModelSpec, prompts: Sequence[Sequence[int]], key: jax.Array,
            cfg: SamplingConfig = SamplingConfig(), *, lora: Lora | None = None,
            eos_ids: Sequence[int] = (), detokenize: Callable[[Sequence[int]], str] | None = None,
-           shardings: MeshRules | None = None) -> SampleOutput:
+           shardings: MeshRules | None = None,
+           numerics: Numerics | None = None) -> SampleOutput:
     """Sample one completion per prompt (lists of token ids; repeat a prompt for a group).
 
     cfg supplies temperature, top_k, top_p, min_p, max_new_tokens, stop strings and the number
@@ -116,7 +118,7 @@ def sample(params: Params, spec: ModelSpec, prompts: Sequence[Sequence[int]], ke
     for stop strings and fills `texts`. The same key, prompts and settings give the same output,
     and a row's output does not depend on the rows beside it. shardings: sample on a mesh; with
     several processes `prompts` are this process's rows (jaxrl/distributed.py) and so is the
-    output.
+    output. numerics: the backend forms (None: the choice for the mesh's devices, `Engine`).
     """
     if cfg.stop and detokenize is None:
         raise ValueError(f"stop strings {list(cfg.stop)} need a detokenize function (ids -> text)")
@@ -137,7 +139,7 @@ def sample(params: Params, spec: ModelSpec, prompts: Sequence[Sequence[int]], ke
     chunk = bucket(n) if slots >= rows else min(bucket(n), REFILL_CHUNK)
     engine = Engine(params, spec, eos_ids=eos_ids, slots=slots, capacity=width + bucket(n),
                     chunk=chunk, lora=lora, shardings=shardings, share=share,
-                    prompt_capacity=width)
+                    prompt_capacity=width, numerics=numerics)
     keys = row_keys(key, range(first, first + len(prompts)))
     requests = [Request(list(ids), decoding, n, keys[i]) for i, ids in enumerate(prompts)]
     for i in range(0, len(requests), share):

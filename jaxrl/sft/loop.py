@@ -15,10 +15,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl.backends.numerics import numerics_of
 from jaxrl.checkpoint import Checkpoints
 from jaxrl.config import Config, ConfigError
+from jaxrl.hf.peft_io import start_lora
 from jaxrl.hf.pretrained import Pretrained, load_pretrained
-from jaxrl.lora.start import start_lora
 from jaxrl.rl.train_step import init_train_state, make_optimizer
 from jaxrl.runlog import RunLog, trim_logs
 from jaxrl.sft.data import BatchStream, encode_all, pad_rows, read_chat_records
@@ -30,7 +31,8 @@ def _options(cfg: Config) -> SftOptions:
     if cfg.sft.batch_size % micro:
         raise ConfigError(f"config key 'optim.micro_batch_size' = {micro} must divide "
                           f"'sft.batch_size' = {cfg.sft.batch_size}")
-    return SftOptions(micro_batches=cfg.sft.batch_size // micro, seed=cfg.run.seed)
+    return SftOptions(micro_batches=cfg.sft.batch_size // micro, seed=cfg.run.seed,
+                      numerics=numerics_of(None))  # one device
 
 
 def _rows(model: Pretrained, cfg: Config, key: str, log: Callable[[str], None]):
@@ -100,12 +102,13 @@ def _trainer(cfg: Config, log: Callable[[str], None]):
         if cfg.data.eval_file and cfg.sft.eval_every else None
     optimizer, schedule = make_optimizer(cfg.optim, cfg.run.steps)
     key = jax.random.fold_in(jax.random.PRNGKey(cfg.run.seed), 1 << 20)
-    state = init_train_state(start_lora(cfg, model.spec, key), optimizer)
+    state = init_train_state(start_lora(cfg.lora, model.spec, key), optimizer)
     stream = BatchStream([len(ids) for ids, _ in rows], cfg.sft.batch_size,
                          cfg.sft.length_window, cfg.run.seed)
     return _Trainer(cfg, model, rows, evals, compile_sft_step(model.spec, optimizer,
                                                               _options(cfg)),
-                    compile_eval_loss(model.spec) if evals else None, schedule, stream), state
+                    compile_eval_loss(model.spec, _options(cfg)) if evals else None, schedule,
+                    stream), state
 
 
 def sft(cfg: Config, log: Callable[[str], None] = print) -> Path:

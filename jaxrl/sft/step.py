@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
+from jaxrl.backends.numerics import REFERENCE, Numerics
 from jaxrl.model.families import ModelSpec
 from jaxrl.model.transformer import positions_from_mask
 from jaxrl.rl.logprobs import token_logprobs
@@ -37,6 +38,7 @@ class SftOptions:
     micro_batches: int = 1
     logprob_chunk: int = 128
     seed: int = 0  # of the LoRA dropout keys (run.seed)
+    numerics: Numerics = REFERENCE  # the backend forms (`jaxrl.backends.numerics.numerics_of`)
 
 
 def loss_weights(batch: SftBatch) -> jax.Array:
@@ -51,7 +53,7 @@ def sft_loss(lora, params, spec: ModelSpec, batch: SftBatch, weights: jax.Array,
     LoRA dropout key (None: no dropout, as in evaluation)."""
     logp, _ = token_logprobs(params, spec, batch.tokens, positions_from_mask(batch.attn_mask),
                              batch.attn_mask, lora, start=1, chunk=opts.logprob_chunk,
-                             remat=remat, rng=rng)  # [B, T - 1]
+                             remat=remat, rng=rng, numerics=opts.numerics)  # [B, T - 1]
     return -jnp.sum(logp * weights), {"tokens": jnp.sum(weights > 0).astype(jnp.float32)}
 
 

@@ -1,26 +1,20 @@
-"""`jaxrl bench`: a decode step's bytes and FLOPs by hand, random weights in the run's layout,
-the device time of a trace by hand, and the command's tables, JSON lines and profiles on a tiny
-architecture."""
+"""`jaxrl bench`: a decode step's bytes and FLOPs by hand, the device time of a trace by hand,
+and the command's tables, JSON lines and profiles on a tiny architecture (its random weights in
+the run's layout: tests/hf/test_loader.py)."""
 import gzip
 import json
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from jaxrl.bench.limits import decode_cost, prefill_cost
 from jaxrl.bench.profile import op_times
-from jaxrl.bench.subject import random_params
 from jaxrl.cli import main
-from jaxrl.config import load_config
 from jaxrl.devices import Peaks, published_peaks
 from jaxrl.lora.lora import init_lora
 from jaxrl.model.families import spec_from_hf_config
 from jaxrl.model.kv_cache import init_cache
 from jaxrl.model.params import init_params
-from jaxrl.model.transformer import unstacked_bits
-from jaxrl.quant.nf4 import QTensor, dequantize
 
 TINY = {"model_type": "qwen3", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -76,35 +70,6 @@ def test_published_peaks_by_device_kind():
     assert published_peaks("TPU v5 lite").flops == 197e12
     assert published_peaks("TPU v5").name == "TPU v5p"
     assert published_peaks("Mystery accelerator") is None
-
-
-def test_random_weights_take_the_runs_nf4_layout(architecture):
-    cfg = load_config(None, [f"model.path={architecture}", "quant.dequantize=per_layer",
-                             "quant.block_size=16"])
-    spec = spec_from_hf_config(TINY)
-    params = random_params(cfg, spec, None, jax.random.PRNGKey(0))
-    q = params["layers"]["gate_proj"]["kernel"]
-    assert isinstance(q, QTensor) and q.codes.dtype == jnp.uint8 and q.shape == (2, 64, 128)
-    dense = np.asarray(dequantize(q, jnp.float32))
-    # block scales 0.05 + c * 0.01 / 127 for 8-bit codes c in [-128, 127], times NF4 levels
-    # in [-1, 1]
-    assert 0.03 < np.abs(dense).max() <= (0.05 + 128 * 0.01 / 127) * 1.0001
-    assert dense.std() > 0.005
-    norm = unstacked_bits(params["layers"])["input_layernorm"]["scale"]  # bf16, held as bits
-    np.testing.assert_array_equal(np.asarray(norm, np.float32), 1)
-    embedding = np.asarray(params["embed_tokens"]["embedding"], np.float32)
-    assert embedding.dtype == np.float32 and 0.015 < embedding.std() < 0.025
-
-
-def test_random_bfloat16_weights_are_held_as_their_bits_on_the_cpu(architecture):
-    cfg = load_config(None, [f"model.path={architecture}", "model.dtype=bfloat16",
-                             "quant.mode=none"])
-    params = random_params(cfg, spec_from_hf_config(TINY), None, jax.random.PRNGKey(0))
-    assert params["layers"]["gate_proj"]["kernel"].dtype == jnp.uint16  # `layer_bits`' form
-    layers = unstacked_bits(params["layers"])
-    kernel = np.asarray(layers["gate_proj"]["kernel"], np.float32)
-    assert layers["gate_proj"]["kernel"].dtype == jnp.bfloat16 and 0.015 < kernel.std() < 0.025
-    np.testing.assert_array_equal(np.asarray(layers["input_layernorm"]["scale"], np.float32), 1)
 
 
 def test_bench_sample_prints_a_table_and_writes_json_lines(architecture, tmp_path, capsys):

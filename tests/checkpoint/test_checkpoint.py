@@ -10,7 +10,7 @@ import pytest
 
 from jaxrl.checkpoint import Checkpoints, checkpoint_steps
 from jaxrl.config import ConfigError, apply_overrides
-from jaxrl.lora.peft_io import load_peft_adapter
+from jaxrl.hf.peft_io import load_peft_adapter
 from jaxrl.model.families import load_spec
 from jaxrl.rl.rollout import pack_rollout, unpack_rollout
 from tests.checkpoint import helpers

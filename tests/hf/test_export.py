@@ -1,6 +1,6 @@
 """Exported adapters load in PEFT with jaxrl's logits; merged exports load in transformers with
 the logits of jaxrl's dequantized base plus LoRA; `jaxrl export` reads a run's checkpoints.
-(An adapter written by PEFT itself importing into jaxrl: tests/lora/test_peft_io.py.)"""
+(An adapter written by PEFT itself importing into jaxrl: tests/hf/test_peft_io.py.)"""
 import json
 import shutil
 
@@ -15,8 +15,8 @@ from jaxrl.cli import main
 from jaxrl.config import QuantConfig, apply_overrides
 from jaxrl.hf.export import write_peft_adapter
 from jaxrl.hf.load import load_params
+from jaxrl.hf.peft_io import load_peft_adapter
 from jaxrl.hf.safetensors_io import iter_tensors
-from jaxrl.lora.peft_io import load_peft_adapter
 from jaxrl.model.families import load_spec
 from jaxrl.model.transformer import forward, positions_from_mask
 from jaxrl.quant.qparams import dequantize_params

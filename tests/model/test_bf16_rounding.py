@@ -1,6 +1,6 @@
 """Where a bfloat16 model rounds: RoPE and the MLP's activation computed in float32 and
 rounded once, projections saved for the backward as float32 on the CPU, and adapters cast once
-for the sampling programs (`forward_lora`)."""
+for the sampling programs (`Numerics.hold_adapters`)."""
 import re
 
 import jax
@@ -9,15 +9,17 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from jaxrl.backends.cpu import Bits
+from jaxrl.backends.numerics import numerics_for
 from jaxrl.lora.lora import init_lora
 from jaxrl.model.attention import apply_rope
 from jaxrl.model.families import spec_from_hf_config
 from jaxrl.model.params import init_params
-from jaxrl.model.transformer import (forward, forward_lora, hidden_states, layer_bits,
-                                     positions_from_mask, swiglu)
+from jaxrl.model.transformer import forward, hidden_states, positions_from_mask, swiglu
 from tests.tiny_models import hf_config
 
 BF16 = jnp.bfloat16
+CPU = numerics_for("cpu")
 
 
 def _bf16(a) -> np.ndarray:
@@ -83,7 +85,7 @@ def test_rope_gradient_is_rounded_once():
 
 def _tiny(dtype=BF16):
     spec = spec_from_hf_config(hf_config("llama", layers=3).to_dict())
-    params = layer_bits(init_params(spec, jax.random.PRNGKey(0), dtype=dtype, std=0.2))
+    params = CPU.hold(init_params(spec, jax.random.PRNGKey(0), dtype=dtype, std=0.2))
     lora = init_lora(spec, jax.random.PRNGKey(1), rank=4, alpha=8.0)
     lora = lora.replace(weights=jax.tree_util.tree_map(  # nonzero B, so the adapters count
         lambda a: a + 0.05, lora.weights))
@@ -96,7 +98,7 @@ def test_dots_saves_bfloat16_projections_as_float32_and_stacks_them_in_place():
 
     def grads(remat):
         loss = lambda a: jnp.sum(forward(params, tokens, pos, spec, lora=a,  # noqa: E731
-                                         remat=remat)[0])
+                                         remat=remat, numerics=CPU)[0])
         return jax.jit(jax.grad(loss)), loss
 
     dots, _ = grads("dots")
@@ -116,14 +118,17 @@ def test_dots_saves_bfloat16_projections_as_float32_and_stacks_them_in_place():
 
 
 @pytest.mark.parametrize("platform,stored", [("cpu", jnp.uint16), ("gpu", BF16)])
-def test_forward_lora_casts_once_and_changes_nothing(platform, stored):
+def test_adapters_are_cast_once_and_change_nothing(platform, stored):
     spec, params, lora, tokens, pos = _tiny()
-    cast = forward_lora(lora, BF16, platform)
-    assert {a.dtype for a in jax.tree_util.tree_leaves(cast.weights["layers"])} == {
-        jnp.dtype(stored)}
-    assert forward_lora(None, BF16, platform) is None
+    numerics = numerics_for(platform)
+    cast = numerics.hold_adapters(lora, BF16)
+    leaves = jax.tree_util.tree_leaves(cast.weights["layers"])  # Bits hold their uint16 bits
+    assert {a.dtype for a in leaves} == {jnp.dtype(stored)}
+    assert numerics.hold_adapters(None, BF16) is None
     if platform != "cpu":
         return
-    run = jax.jit(lambda a: hidden_states(params, tokens, pos, spec, lora=a)[0])
+    assert all(isinstance(a, Bits) for a in jax.tree_util.tree_leaves(
+        cast.weights["layers"], is_leaf=lambda x: isinstance(x, Bits)))
+    run = jax.jit(lambda a: hidden_states(params, tokens, pos, spec, lora=a, numerics=CPU)[0])
     np.testing.assert_array_equal(np.asarray(run(cast), np.float32),
                                   np.asarray(run(lora), np.float32))

@@ -10,7 +10,7 @@ import pytest
 from jaxrl import distributed
 from jaxrl.config import GrpoConfig, OptimConfig, load_config
 from jaxrl.lora.lora import init_lora
-from jaxrl.rl.remat import AUTO_ORDER, POLICIES, AutoRematStep, choose
+from jaxrl.rl.remat import AUTO_ORDER, POLICIES, AutoRematStep, choose, compile_step
 from jaxrl.rl.session import step_options
 from jaxrl.rl.losses import token_weights
 from jaxrl.rl.train_step import (StepOptions, accumulate_grads, compile_train_step,
@@ -88,7 +88,7 @@ def test_every_policy_gives_the_same_gradients(setup):  # noqa: F811
 def test_auto_saves_the_projections_where_memory_allows(setup):  # noqa: F811
     spec, params, batch = setup
     optimizer, _ = make_optimizer(OptimConfig(lr=1e-2), total_steps=10)
-    steps = {p: compile_train_step(spec, optimizer, _options(p)) for p in ("auto", "dots")}
+    steps = {p: compile_step(spec, optimizer, _options(p)) for p in ("auto", "dots")}
     assert isinstance(steps["auto"], AutoRematStep)
     metrics = {p: step(init_train_state(_lora(spec), optimizer), params, batch)[1]
                for p, step in steps.items()}
@@ -106,7 +106,7 @@ def test_auto_runs_the_policy_of_the_process_with_least_memory(setup, monkeypatc
     asked = []
     monkeypatch.setattr(distributed, "host_max",
                         lambda v: asked.append(v) or AUTO_ORDER.index("full"))
-    step = compile_train_step(spec, optimizer, _options("auto"))
+    step = compile_step(spec, optimizer, _options("auto"))
     metrics = step(init_train_state(_lora(spec), optimizer), params, batch)[1]
     assert asked == [AUTO_ORDER.index("dots")]  # what this process would have taken
     assert list(step.policies.values()) == ["full"]

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxrl.backends.numerics import numerics_for
 from jaxrl.hf.load import load_params
 from jaxrl.model.transformer import forward, lm_logits
 from jaxrl.sampling import Decoding, Engine, Request
@@ -120,7 +121,7 @@ def test_tokens_stream_in_order_as_they_are_decoded(tiny):
 def test_new_settings_compile_no_new_program(tiny):
     _, spec, params = tiny
     _run(params, spec, _requests(seed=5))  # compiles the buckets these requests use
-    before = engine_programs.generate._cache_size(), engine_programs.admit._cache_size()
+    before = engine_programs.generate.cache_size(), engine_programs.admit._cache_size()
     settings = [Decoding(0.3, top_k=2), Decoding(1.7, top_p=0.5, min_p=0.2), Decoding(0.0),
                 Decoding(0.9, top_k=40, top_p=0.7)]
     for seed, decoding in enumerate(settings):
@@ -128,7 +129,7 @@ def test_new_settings_compile_no_new_program(tiny):
         for r in requests:
             r.decoding = decoding
         _run(params, spec, requests)
-    after = engine_programs.generate._cache_size(), engine_programs.admit._cache_size()
+    after = engine_programs.generate.cache_size(), engine_programs.admit._cache_size()
     assert after == before
 
 
@@ -211,7 +212,8 @@ def test_decode_logits_are_the_heads_logits(tiny):
     # product [V, E] x [S, E] -> [V, S], transposed: the same numbers as the head's [S, V]
     _, spec, params = tiny
     h = jnp.asarray(np.random.RandomState(0).randn(5, spec.hidden_size), jnp.float32)
-    got = jax.jit(engine_programs.decode_logits, static_argnums=(2, 3))(params, h, spec, None)
+    got = jax.jit(engine_programs.decode_logits, static_argnums=(2, 3, 4))(
+        params, h, spec, None, numerics_for("cpu"))
     want = lm_logits(params, h, spec)
     assert got.shape == want.shape == (5, spec.vocab_size) and got.dtype == jnp.float32
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

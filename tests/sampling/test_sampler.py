@@ -174,7 +174,7 @@ def test_compiles_one_program_per_bucket(models):
     _, spec, params = models["qwen2-tied"]
     run = lambda prompt, n, t: sample(params, spec, [prompt, prompt[:2]], jax.random.PRNGKey(0),
                                       SamplingConfig(temperature=t, top_k=7, max_new_tokens=n))
-    sizes = lambda: (programs.generate._cache_size(), programs.admit._cache_size())
+    sizes = lambda: (programs.generate.cache_size(), programs.admit._cache_size())
     run(list(range(3, 6)), 5, 0.5)
     before = sizes()
     for n, length, t in zip([5, 9, 16, 3], [3, 9, 16, 12], [0.5, 0.0, 1.2, 0.8]):

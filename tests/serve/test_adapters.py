@@ -6,7 +6,7 @@ import threading
 import pytest
 import torch
 
-from jaxrl.lora.peft_io import load_peft_adapter
+from jaxrl.hf.peft_io import load_peft_adapter
 from jaxrl.sampling import Decoding, Engine, Request
 from jaxrl.serve import start_server
 from tests.serve.helpers import HELLO, SERVE, client, post

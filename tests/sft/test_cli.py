@@ -6,7 +6,7 @@ import json
 import numpy as np
 
 from jaxrl.cli import main
-from jaxrl.lora.peft_io import load_peft_adapter
+from jaxrl.hf.peft_io import load_peft_adapter
 from jaxrl.model.families import load_spec
 
 CHATS = [[{"role": "user", "content": f"What is {a} + {b}?"},

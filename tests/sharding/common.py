@@ -8,13 +8,16 @@ import jax
 import numpy as np
 import optax
 
-from jaxrl.config import GrpoConfig, OptimConfig, SamplingConfig
+from jaxrl.config import GrpoConfig, MeshConfig, OptimConfig, QuantConfig, SamplingConfig
 from jaxrl.lora.lora import init_lora
 from jaxrl.model.families import spec_from_hf_config
-from jaxrl.model.params import init_params
+from jaxrl.model.params import flatten, init_params, unflatten
+from jaxrl.quant.nf4 import quantize_np
+from jaxrl.quant.qparams import quantized_paths
 from jaxrl.model.transformer import positions_from_mask
 from jaxrl.rl.logprobs import token_logprobs
 from jaxrl.rl.train_step import Batch, StepOptions, init_train_state, make_optimizer
+from jaxrl.sharding import MeshRules, make_mesh, param_shardings, place
 
 SPEC = spec_from_hf_config({
     "model_type": "qwen3", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
@@ -39,6 +42,30 @@ def model():
     lora = lora.replace(weights=jax.tree_util.tree_map(
         lambda x: x + 0.05 if x.shape[1] == 4 else x, lora.weights))
     return params, lora
+
+
+NF4 = QuantConfig(mode="nf4", block_size=64, double_quant=True, dequantize="per_layer")
+
+
+def quantized_model():
+    """(params, lora) of `model()` with every layer kernel an NF4 QTensor, as `jaxrl train`
+    holds them with quant.dequantize=per_layer: the forward dequantizes them layer by layer."""
+    params, lora = model()
+    flat = flatten(params)
+    for path in quantized_paths(SPEC, NF4):
+        flat[path] = quantize_np(np.asarray(flat[path]), NF4.block_size, NF4.mode,
+                                 NF4.double_quant)
+    return unflatten(flat), lora
+
+
+def mesh_rules() -> MeshRules:
+    """The (2, 2, 2) mesh of the 8 test devices."""
+    return MeshRules(make_mesh(MeshConfig(2, 2, 2)))
+
+
+def placed(rules: MeshRules | None, tree):
+    """params `tree` placed on `rules`' mesh (as they are without one)."""
+    return tree if rules is None else place(tree, param_shardings(rules, tree, SPEC))
 
 
 def prompts(rows: int = ROWS, seed: int = 0) -> list[list[int]]:

@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from jaxrl.commands.plan import abstract_run, lower_sampler, lower_step
+from jaxrl.planner import abstract_run, lower_sampler, lower_step
 from jaxrl.config import load_config
 from jaxrl.hlo import CPU_OPTIONS, Program, forbidden
 from jaxrl.model.families import spec_from_hf_config

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from jaxrl.commands.plan import host_layout
+from jaxrl.planner import host_layout
 from jaxrl.config import ConfigError, from_dict
 from jaxrl.devices import device_memory, mem_fraction
 from jaxrl.distributed import batch_shards, check_layout

@@ -12,43 +12,25 @@ import numpy as np
 import pytest
 
 from jaxrl import distributed
-from jaxrl.config import MeshConfig, QuantConfig, SamplingConfig
+from jaxrl.backends.numerics import REFERENCE, numerics_for
+from jaxrl.config import SamplingConfig
 from jaxrl.model.families import load_spec
-from jaxrl.model.params import LINEAR_NAMES, declare, flatten, unflatten
+from jaxrl.model.params import LINEAR_NAMES, declare, flatten
 from jaxrl.model.transformer import positions_from_mask
-from jaxrl.quant.nf4 import QTensor, dequantize, dequantize_np, quantize_np
+from jaxrl.quant.nf4 import QTensor, dequantize, dequantize_np
 from jaxrl.quant.qparams import quantized_paths
 from jaxrl.rl.logprobs import token_logprobs
 from jaxrl.rl.train_step import Batch, compile_train_step
 from jaxrl.sampling.sampler import sample
-from jaxrl.sharding import (MeshRules, make_mesh, param_shardings, place, row_shardings,
+from jaxrl.sharding import (MeshRules, place, row_shardings,
                             step_shardings)
-from tests.sharding.common import (GREEDY, NEW, OPTS, ROWS, SPEC, assert_same_step, model,
-                                   optimizer_state, prompts, step_batch)
+from tests.sharding.common import (GREEDY, NEW, NF4, OPTS, ROWS, SPEC, assert_same_step,
+                                   mesh_rules, optimizer_state, placed, prompts,
+                                   quantized_model, step_batch)
 from tests.tiny_models import make_model
 
-NF4 = QuantConfig(mode="nf4", block_size=64, double_quant=True, dequantize="per_layer")
 TOL = dict(rtol=1e-5, atol=1e-5)
 SETTINGS = {"greedy": GREEDY, "t0.7": SamplingConfig(temperature=0.7, max_new_tokens=NEW)}
-
-
-def quantized_model():
-    """(params, lora) of `model()` with every layer kernel an NF4 QTensor, as `jaxrl train`
-    holds them with quant.dequantize=per_layer: the forward dequantizes them layer by layer."""
-    params, lora = model()
-    flat = flatten(params)
-    for path in quantized_paths(SPEC, NF4):
-        flat[path] = quantize_np(np.asarray(flat[path]), NF4.block_size, NF4.mode,
-                                 NF4.double_quant)
-    return unflatten(flat), lora
-
-
-def _mesh() -> MeshRules:
-    return MeshRules(make_mesh(MeshConfig(2, 2, 2)))
-
-
-def _on(rules: MeshRules | None, tree):
-    return tree if rules is None else place(tree, param_shardings(rules, tree, SPEC))
 
 
 @jax.jit
@@ -65,10 +47,10 @@ def test_dequantized_kernels_on_the_mesh_equal_one_device_bit_for_bit():
     kernels = {name: params["layers"][name]["kernel"] for name in LINEAR_NAMES}
     assert all(isinstance(q, QTensor) and q.double_quant for q in kernels.values())
     want = {name: dequantize_np(q, np.float32) for name, q in kernels.items()}
-    rules = _mesh()
-    placed = _on(rules, params)["layers"]
+    rules = mesh_rules()
+    layers = placed(rules, params)["layers"]
     for name, dense in jax.device_get(_dequantized_per_layer(
-            {name: placed[name]["kernel"] for name in LINEAR_NAMES})).items():
+            {name: layers[name]["kernel"] for name in LINEAR_NAMES})).items():
         np.testing.assert_array_equal(dense, want[name], err_msg=name)
     for name, dense in jax.device_get(_dequantized_per_layer(kernels)).items():
         np.testing.assert_array_equal(dense, want[name], err_msg=name)
@@ -85,7 +67,7 @@ def test_loading_onto_the_mesh_quantizes_whole_tensors(tmp_path):
     the blocks its input rows belong to (a block count its axes do not divide stays whole)."""
     make_model("qwen2").save_pretrained(tmp_path)
     spec = load_spec(tmp_path)
-    rules = _mesh()
+    rules = mesh_rules()
     one = flatten(distributed.load_params(tmp_path, spec, jnp.float32, NF4, None))
     mesh = flatten(distributed.load_params(tmp_path, spec, jnp.float32, NF4, rules))
     decls = declare(spec)
@@ -108,7 +90,7 @@ def _run(rules: MeshRules | None, batch: Batch | None = None):
     on `rules`; the batch is built from the greedy sample unless given."""
     params, lora = quantized_model()
     optimizer, state = optimizer_state(lora)
-    params = _on(rules, params)
+    params = placed(rules, params)
     outs = {name: sample(params, SPEC, prompts(), jax.random.PRNGKey(0), cfg, lora=lora,
                          eos_ids=(2,), shardings=rules) for name, cfg in SETTINGS.items()}
     batch = step_batch(params, outs["greedy"]) if batch is None else batch
@@ -121,33 +103,34 @@ def _run(rules: MeshRules | None, batch: Batch | None = None):
     return jax.device_get((outs, metrics, new_state, batch))
 
 
-def test_the_gpu_split_form_on_the_mesh_gives_the_dequantized_logits(monkeypatch):
-    """A GPU multiplies every NF4 kernel in qmatmul's split form (two matmuls, over the even and
-    the odd input rows); on the mesh, whose tensor axis splits the inputs of o_proj and
+def test_the_gpu_split_form_on_the_mesh_gives_the_dequantized_logits():
+    """The GPU numerics multiply every NF4 kernel in qmatmul's split form (two matmuls, over the
+    even and the odd input rows); on the mesh, whose tensor axis splits the inputs of o_proj and
     down_proj, it gives the logits and the adapter's gradients of the dequantized kernels on
     one device."""
     from jaxrl.model import transformer
 
+    gpu = numerics_for("gpu")
+    assert gpu.nf4_decode == gpu.nf4_many == "split"
     params, lora = quantized_model()
     dense = jax.tree_util.tree_map(lambda x: dequantize(x, jnp.float32)
                                    if isinstance(x, QTensor) else x, params,
                                    is_leaf=lambda x: isinstance(x, QTensor))
     tokens = jnp.asarray(np.random.RandomState(0).randint(3, 128, (ROWS, 6)), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(6), tokens.shape)
-    def logits(p, adapter):
-        return transformer.forward(p, tokens, positions, SPEC, lora=adapter)[0]
 
-    def grads(p, adapter):  # of a loss that weighs every logit differently
+    def logits(p, adapter, numerics=REFERENCE):
+        return transformer.forward(p, tokens, positions, SPEC, lora=adapter,
+                                   numerics=numerics)[0]
+
+    def grads(p, adapter, numerics=REFERENCE):  # of a loss that weighs every logit differently
         weights = jnp.cos(jnp.arange(SPEC.vocab_size, dtype=jnp.float32))
-        return jax.grad(lambda a: jnp.mean(logits(p, a) * weights))(adapter).weights
+        return jax.grad(lambda a: jnp.mean(logits(p, a, numerics) * weights))(adapter).weights
 
     want = jax.device_get((jax.jit(logits)(dense, lora), jax.jit(grads)(dense, lora)))
-    forms = []
-    monkeypatch.setattr(transformer, "matmul_form",
-                        lambda memory_bound: forms.append("split") or "split")
-    meshed = _on(_mesh(), params)
-    got = jax.device_get((jax.jit(logits)(meshed, lora), jax.jit(grads)(meshed, lora)))
-    assert forms  # the quantized linears went through the split form
+    meshed = placed(mesh_rules(), params)
+    on_gpu = functools.partial(logits, numerics=gpu), functools.partial(grads, numerics=gpu)
+    got = jax.device_get((jax.jit(on_gpu[0])(meshed, lora), jax.jit(on_gpu[1])(meshed, lora)))
     np.testing.assert_allclose(got[0], want[0], **TOL)
     for path, g in flatten(got[1]).items():
         np.testing.assert_allclose(g, flatten(want[1])[path], **TOL, err_msg=path)
@@ -160,7 +143,7 @@ def single():
 
 @pytest.fixture(scope="module")
 def meshed(single):
-    return _run(_mesh(), single[3])
+    return _run(mesh_rules(), single[3])
 
 
 def test_mesh_matches_single_device(single, meshed):
@@ -182,9 +165,9 @@ def _teacher_forced(params, lora, tokens, positions, mask, start, temperature):
 
 @pytest.mark.parametrize("where", ["one_device", "mesh_2x2x2"])
 def test_sampler_logprobs_equal_teacher_forced_logprobs(request, where):
-    rules = None if where == "one_device" else _mesh()
+    rules = None if where == "one_device" else mesh_rules()
     params, lora = quantized_model()
-    params = _on(rules, params)
+    params = placed(rules, params)
     outs = request.getfixturevalue("single" if rules is None else "meshed")[0]
     for name, cfg in SETTINGS.items():
         out = outs[name]

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from jaxrl.cli import main
-from jaxrl.commands.plan import ProgramMemory, report
+from jaxrl.planner import ProgramMemory, report
 
 GIB = 1 << 30
 TINY = {"model_type": "qwen3", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,

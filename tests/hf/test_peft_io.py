@@ -10,7 +10,7 @@ import torch
 
 from jaxrl.config import SamplingConfig
 from jaxrl.hf.load import load_params
-from jaxrl.lora.peft_io import AdapterError, load_peft_adapter
+from jaxrl.hf.peft_io import AdapterError, load_peft_adapter
 from jaxrl.model.transformer import forward, positions_from_mask
 from jaxrl.sampling import sample
 from tests.tiny_models import make_model, padded_batch

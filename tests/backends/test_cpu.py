@@ -1,5 +1,6 @@
-"""The weight products' CPU form for bfloat16 (jaxrl/model/products.py) and the layer scan's
-bfloat16 weights taken as their bits on the CPU (`stacked_bits`)."""
+"""The CPU's own forms (jaxrl/backends/cpu.py) as the CPU numerics choice uses them: bfloat16
+products with float32 sums and a hand-written backward, and bfloat16 layer weights held as their
+bits (`Bits`)."""
 import re
 
 import jax
@@ -10,17 +11,24 @@ import pytest
 from jaxrl.lora.lora import init_lora
 from jaxrl.model.families import spec_from_hf_config
 from jaxrl.model.params import init_params
-from jaxrl.model.products import fast_low_precision, product
-from jaxrl.model.transformer import forward, layer_bits, positions_from_mask
+from jaxrl.backends.cpu import Bits
+from jaxrl.backends.numerics import numerics_for
+from jaxrl.model.transformer import forward, positions_from_mask
 from tests.tiny_models import hf_config
 
 BF16 = jnp.bfloat16
+CPU, GPU = numerics_for("cpu"), numerics_for("gpu")
+product = CPU.product
 
 
 def test_which_products_take_the_cpu_form():
-    assert fast_low_precision(BF16, "cpu") and fast_low_precision(jnp.float16, "cpu")
-    assert not fast_low_precision(jnp.float32, "cpu")
-    assert not fast_low_precision(BF16, "gpu") and not fast_low_precision(BF16, "tpu")
+    def custom(numerics, dtype):  # whether the product takes the hand-written backward
+        x = jnp.ones((2, 8), dtype)
+        return "custom_vjp" in str(jax.make_jaxpr(numerics.product)(x, x.T))
+
+    assert custom(CPU, BF16) and custom(CPU, jnp.float16)
+    assert not custom(CPU, jnp.float32)
+    assert not custom(GPU, BF16) and not custom(numerics_for("tpu"), BF16)
 
 
 @pytest.mark.parametrize("transposed", [False, True])
@@ -47,12 +55,12 @@ def test_cpu_form_agrees_with_the_plain_product(transposed):
     x = jnp.asarray(rng.standard_normal((2, 5, 64)), BF16)
     w = jnp.asarray(rng.standard_normal((48, 64) if transposed else (64, 48)), BF16)
 
-    def grads(backend):
-        loss = lambda x, w: jnp.sum(jnp.sin(product(x, w, transposed=transposed,  # noqa: E731
-                                                     dtype=BF16, backend=backend)))
+    def grads(numerics):
+        loss = lambda x, w: jnp.sum(jnp.sin(numerics.product(  # noqa: E731
+            x, w, transposed=transposed, dtype=BF16)))
         return jax.grad(loss, argnums=(0, 1))(x, w)
 
-    for got, want in zip(grads("cpu"), grads("gpu")):
+    for got, want in zip(grads(CPU), grads(GPU)):
         assert got.dtype == want.dtype == BF16
         # one bfloat16 rounding of float32 sums taken in another order
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
@@ -77,7 +85,7 @@ def test_bfloat16_layer_stack_is_sliced_without_a_float32_copy():
     spec, params = _tiny()
     tokens = jnp.asarray(np.random.RandomState(0).randint(0, 128, (2, 6)))
     pos = positions_from_mask(jnp.ones((2, 6), bool))
-    fn = jax.jit(lambda p: forward(p, tokens, pos, spec)[0])
+    fn = jax.jit(lambda p: forward(p, tokens, pos, spec, numerics=CPU)[0])
     text = fn.lower(params).compile().as_text()
     kernels = {"f32[" + ",".join(map(str, k.shape)) + "]"
                for k in jax.tree_util.tree_leaves(params["layers"]) if k.ndim == 3}
@@ -92,7 +100,8 @@ def test_base_weights_are_not_differentiable_through_the_bits():
     tokens = jnp.zeros((1, 4), jnp.int32)
     pos = positions_from_mask(jnp.ones((1, 4), bool))
     lora = init_lora(spec, jax.random.PRNGKey(1), rank=2, alpha=4.0)
-    loss = lambda p, a: jnp.sum(forward(p, tokens, pos, spec, lora=a)[0])  # noqa: E731
+    loss = lambda p, a: jnp.sum(forward(p, tokens, pos, spec, lora=a,  # noqa: E731
+                                        numerics=CPU)[0])
     grads = jax.grad(loss, argnums=1)(params, lora)  # the adapter: fine
     assert all(np.isfinite(np.asarray(g, np.float32)).all()
                for g in jax.tree_util.tree_leaves(grads))
@@ -102,11 +111,13 @@ def test_base_weights_are_not_differentiable_through_the_bits():
 
 def test_weights_held_as_bits_give_the_same_logits_and_decode_without_copying_the_stack():
     spec, params = _tiny()
-    held = layer_bits(params)  # as a run holds them on the CPU
-    assert {a.dtype for a in jax.tree_util.tree_leaves(held["layers"])} == {jnp.dtype(jnp.uint16)}
+    held = CPU.hold(params)  # as a run holds them on the CPU
+    leaves = jax.tree_util.tree_leaves(held["layers"], is_leaf=lambda x: isinstance(x, Bits))
+    assert all(isinstance(a, Bits) and a.bits.dtype == jnp.uint16 for a in leaves)
+    assert CPU.hold(held) == held  # holding held weights changes nothing
     tokens = jnp.asarray(np.random.RandomState(1).randint(0, 128, (2, 5)))
     pos = positions_from_mask(jnp.ones((2, 5), bool))
-    fn = jax.jit(lambda p: forward(p, tokens, pos, spec)[0])
+    fn = jax.jit(lambda p: forward(p, tokens, pos, spec, numerics=CPU)[0])
     np.testing.assert_array_equal(np.asarray(fn(held)), np.asarray(fn(params)))
     kernels = {f"[{','.join(map(str, k.shape))}]"
                for k in jax.tree_util.tree_leaves(params["layers"]) if k.ndim == 3}
@@ -124,6 +135,17 @@ def test_weights_held_as_bits_give_the_same_logits_and_decode_without_copying_th
 def test_other_platforms_keep_bfloat16_weights():
     _, params = _tiny()
     for platform in ("gpu", "tpu"):  # e.g. a TPU slice `jaxrl plan` compiles for from a CPU
-        held = layer_bits(params, platform)
+        held = numerics_for(platform).hold(params)
         assert jax.tree_util.tree_all(jax.tree_util.tree_map(
             lambda a, b: a is b, held["layers"], params["layers"]))
+
+
+def test_abstract_params_are_held_with_their_shardings():
+    _, params = _tiny()
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract = jax.tree_util.tree_map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), params)
+    held = CPU.hold(abstract)["layers"]["q_proj"]["kernel"]
+    assert isinstance(held, Bits) and held.bits.dtype == jnp.uint16
+    assert held.bits.sharding == sharding and held.shape == params["layers"]["q_proj"][
+        "kernel"].shape

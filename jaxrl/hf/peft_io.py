@@ -1,5 +1,6 @@
 """Load a Hugging Face PEFT LoRA adapter directory (adapter_config.json +
-adapter_model.safetensors) as a jaxrl `Lora`.
+adapter_model.safetensors) as a jaxrl `Lora`, and start a run's adapter (fresh, or the PEFT
+adapter of `lora.init_from`). Writing one is jaxrl/hf/export.py's.
 
 PEFT stores, per layer i and target t, `base_model.model.<HF module of t>.lora_A.weight` [r, in]
 and `...lora_B.weight` [out, r] (module names from jaxrl/hf/keymap.py, e.g.
@@ -8,16 +9,19 @@ hence the transposes. The scale is lora_alpha / r (lora_alpha / sqrt(r) with use
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl.config import ConfigError, LoraConfig
 from jaxrl.hf.keymap import hf_key
 from jaxrl.hf.safetensors_io import iter_tensors
-from jaxrl.lora.lora import Lora
+from jaxrl.lora.lora import Lora, init_lora
 from jaxrl.model.families import ModelSpec
 from jaxrl.model.params import LINEAR_NAMES, linear_shape
 
@@ -111,3 +115,26 @@ def load_peft_adapter(adapter_dir: str | Path, spec: ModelSpec, dtype=jnp.float3
     layers = {name: {ab: jnp.asarray(w, dtype) for ab, w in parts.items()}
               for name, parts in stacks.items()}
     return Lora(weights={"layers": layers}, scale=scale)
+
+
+def start_lora(lora_cfg: LoraConfig, spec: ModelSpec, key: jax.Array | None) -> Lora:
+    """A fresh adapter drawn from `key`, or the PEFT adapter of `lora_cfg.init_from` when set
+    (key unused; its rank, targets and scale must be the config's, which the checkpoints and
+    exports record, else ConfigError naming the keys to set), with `lora_cfg.dropout`."""
+    if not lora_cfg.init_from:
+        return init_lora(spec, key, rank=lora_cfg.rank, alpha=lora_cfg.alpha,
+                         targets=lora_cfg.targets, dropout=lora_cfg.dropout)
+    try:
+        lora = load_peft_adapter(lora_cfg.init_from, spec)
+    except (AdapterError, OSError, json.JSONDecodeError) as error:
+        raise ConfigError(f"config key 'lora.init_from': {error}") from None
+    scale = lora_cfg.alpha / lora_cfg.rank
+    if (lora.rank, set(lora.targets)) != (lora_cfg.rank, set(lora_cfg.targets)) or not np.isclose(
+            lora.scale, scale, rtol=1e-6):
+        raise ConfigError(
+            f"config key 'lora.init_from' = {lora_cfg.init_from!r} has rank {lora.rank}, targets "
+            f"{','.join(lora.targets)} and scale {lora.scale:g}; set lora.rank={lora.rank} "
+            f"lora.targets={','.join(lora.targets)} lora.alpha={lora.scale * lora.rank:g} "
+            f"(the config gives rank {lora_cfg.rank}, targets {','.join(lora_cfg.targets)}, "
+            f"scale {scale:g})")
+    return dataclasses.replace(lora, dropout=lora_cfg.dropout)

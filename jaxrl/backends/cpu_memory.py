@@ -1,28 +1,21 @@
-"""Host memory on XLA's CPU backend: keep the memory a program call frees for the next call.
+"""The CPU's allocator setting: keep the memory a program call frees for the next call.
 
-XLA:CPU allocates each call's temporary buffer with malloc and frees it when the call ends: for
-the default model's GRPO update 1.9 GB, the reference pass 0.9 GB, the decode 0.6 GB. glibc
-serves an allocation above its mmap threshold (at most 32 MB), or one that a worker thread's own
-arena cannot hold, with a fresh `mmap` and hands it back with `munmap` on free, so every call
-faults its pages in again, one 4 KiB page at a time, each zeroed by the kernel: a `jaxrl bench
-step` process of `tools/bench_grpo_step.py`'s setup (four steps) took 2.5 million page faults,
-and a call that writes a 201 MB logits array spent 0.19 s of its 0.49 s in the kernel.
-
-`keep_freed_memory()` tells glibc's malloc (`mallopt`) to serve every thread from the main
-arena, never to use mmap for an allocation, and never to trim the heap: a freed buffer stays in
-the process and the next call of the same program reuses its pages without a fault. A GRPO step
-of that setup was faster in five rounds of six, by up to 6% where no other load disturbed it,
-and its reference pass in all six (`jaxrl bench step`, taking turns with the default). The price
-is that the process keeps the most it ever held at once, and fragments: `jaxrl bench step` of
-that setup peaked at 3.3-3.7 GB resident against 2.9 GB, the quickstart at 3.26 GB against 3.36
-GB (once its load no longer dequantized op by op, which had left it at 9.1 GB with this
-setting: docs/benchmarks.md, "Host memory kept between calls").
+XLA:CPU allocates each call's temporary buffer with malloc and frees it when the call ends.
+glibc serves a large allocation (above its mmap threshold, or one that a worker thread's arena
+cannot hold) with a fresh `mmap` and hands it back with `munmap` on free, so every call faults
+its pages in again, one zeroed 4 KiB page at a time. `keep_freed_memory()` tells glibc's malloc
+(`mallopt`) to serve every thread from the main arena, never to use mmap for an allocation, and
+never to trim the heap: a freed buffer stays in the process and the next call of the same
+program reuses its pages without a fault. The price is that the process keeps the most it ever
+held at once. What this gains and costs is measured in docs/benchmarks.md, "Host memory kept
+between calls".
 
 The `jaxrl` command calls it at start when JAX will run on the CPU (no accelerator plugin
 installed, or JAX_PLATFORMS naming cpu first) and glibc is the C library, before JAX starts its
-threads, unless JAXRL_KEEP_FREED_MEMORY=0: a process whose memory use swings widely between
-programs keeps its largest, and that setting hands freed memory back as glibc does by default.
-Code that drives jaxrl from Python can call it itself, before its first JAX computation.
+threads, unless JAXRL_KEEP_FREED_MEMORY=0 (which leaves glibc's default). Code that drives jaxrl
+from Python can call it itself, before its first JAX computation. This module imports no JAX,
+so the command can call it before anything starts JAX; the CPU's numeric forms are
+`jaxrl.backends.cpu`.
 """
 from __future__ import annotations
 

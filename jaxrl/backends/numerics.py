@@ -1,0 +1,209 @@
+"""The numerics value: every backend form the programs use, chosen once per platform.
+
+A `Numerics` is chosen from the platform the programs run on (`numerics_of` a mesh: its
+devices', which for `jaxrl plan --topology` are a TPU slice compiled for from a CPU host) and
+passed into the jitted programs as a static argument, as `ModelSpec` is. Nothing in `model/`,
+`quant/`, `sampling/`, `rl/` or `lora/` reads the backend; they call the methods here. What it
+decides:
+
+  products     x @ W of the dense weights: the plain einsum with float32 sums (GPUs, TPUs,
+               float32 anywhere), or on the CPU for operands below float32 the float32-result
+               product with a hand-written backward (`jaxrl.backends.cpu`).
+  NF4 forms    which `jaxrl.quant.qmatmul` form a quantized linear takes, for calls with one
+               token per row (decode: bound by reading the kernel) and with many.
+  holding      how the stacked layer weights are held: as arrays, or on the CPU each bfloat16
+               array as its bits (`jaxrl.backends.cpu.Bits`), from load on (`hold`).
+  cache        the KV cache's dtype: the activations' (lossless: keys and values are computed in
+               it), or float32 on the CPU, where a bfloat16 cache is converted whole for each
+               decode step's write.
+  head         the LM head's layout in a decode step: plain, or vocab-major on one CPU device.
+  saves        what remat "dots" saves of a projection: the value as computed, or on the CPU a
+               bfloat16 projection as its exact float32 value (XLA:CPU updates a float32 stack
+               of saved values in place, a bfloat16 one by converting the whole stack).
+  compiler     the XLA options of the decode program (on the CPU a memory-ordered schedule).
+
+A new backend form (a Pallas kernel, another layout) goes here: a field naming the choice, the
+choice made in `numerics_for`, and the method the model calls; the kernel itself lives beside
+its XLA reference, and the CPU can run each choice (`numerics_for("gpu")` on a CPU host) for
+tests. Figures behind each CPU choice are in docs/benchmarks.md.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxrl.backends import cpu
+from jaxrl.quant.nf4 import QTensor
+from jaxrl.quant.qmatmul import qmatmul
+
+PLATFORMS = ("cpu", "gpu", "tpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class Numerics:
+    """The backend forms of one platform (module docstring). Hashable: a static argument."""
+
+    name: str  # the platform chosen for (cpu, gpu, tpu) or "xla" (the reference)
+    cpu_products: bool = False  # operands below float32 take `cpu.product`
+    nf4_decode: str = "block"  # qmatmul form of a call with one token per row
+    nf4_many: str = "dense"  # qmatmul form of a call with many tokens per row
+    hold_bits: bool = False  # bfloat16 layer weights held as `cpu.Bits`
+    float32_cache: bool = False  # KV cache in float32 (else the activations' dtype)
+    vocab_major_head: bool = False  # a decode step's tied head vocab-major (one CPU device)
+    float32_saves: bool = False  # remat dots saves low-precision projections as float32
+    gather_bits: bool = False  # bfloat16 embedding rows gathered as bits
+    decode_options: tuple[tuple[str, str], ...] = ()  # XLA options of the decode program
+    dequantize_auto: str = "per_layer"  # quant.dequantize: auto -> once | per_layer
+
+    # -- products ---------------------------------------------------------------------------
+    def product(self, x: jax.Array, w: jax.Array, *, transposed: bool = False,
+                dtype=jnp.float32) -> jax.Array:
+        """x [..., I] @ w ([I, O], or [O, I] when transposed) -> [..., O], summed in float32
+        and rounded to `dtype`; w is taken in x's dtype."""
+        w = w.astype(x.dtype)
+        if self.cpu_products and jnp.dtype(x.dtype).itemsize < 4:
+            return cpu.product(x, w, transposed).astype(dtype)
+        spec = "...i,oi->...o" if transposed else "...i,io->...o"
+        return jnp.einsum(spec, x, w, preferred_element_type=dtype)
+
+    def matmul(self, x: jax.Array, kernel, *, dtype) -> jax.Array:
+        """x [..., T, I] @ kernel [I, O] (an array, `cpu.Bits` or an NF4 `QTensor`) as
+        [..., T, O] in `dtype`, accumulated in float32; a QTensor takes the decode form when
+        T is 1 and the many-token form otherwise."""
+        if isinstance(kernel, QTensor):
+            form = self.nf4_decode if x.shape[-2] == 1 else self.nf4_many
+            return qmatmul(x, kernel, form=form, dtype=dtype)
+        return self.product(x, dense(kernel), dtype=dtype)
+
+    def low_precision_saves(self, dtype) -> bool:
+        """Whether remat saves a `dtype` projection as float32 (`save`)."""
+        return self.float32_saves and jnp.dtype(dtype).itemsize < 4
+
+    def save(self, y: jax.Array, name: str) -> jax.Array:
+        """y named `name` for remat policies (jax.ad_checkpoint.checkpoint_name), saved as
+        the numerics saves it (module docstring: saves)."""
+        if self.low_precision_saves(y.dtype):
+            return checkpoint_name(y.astype(jnp.float32), name).astype(y.dtype)
+        return checkpoint_name(y, name)
+
+    # -- embedding and head -----------------------------------------------------------------
+    def embed(self, table: jax.Array, tokens: jax.Array) -> jax.Array:
+        """Rows of the table [V, E] for tokens [...]."""
+        if self.gather_bits and table.dtype == jnp.bfloat16:
+            return cpu.embed(table, tokens)
+        return table[tokens]
+
+    def tied_decode_logits(self, table: jax.Array, h: jax.Array) -> jax.Array | None:
+        """A decode step's logits [S, V] float32 of h [S, E] against the tied table [V, E] on
+        one device, when this numerics has a form of its own for them; None: the plain head."""
+        return cpu.vocab_major_logits(table, h) if self.vocab_major_head else None
+
+    # -- how weights and caches are held ----------------------------------------------------
+    def hold(self, params: dict[str, Any]) -> dict[str, Any]:
+        """params with the stacked layers as this numerics holds them (module docstring:
+        holding); concrete or abstract (ShapeDtypeStructs) alike, and held params unchanged.
+        Do it once where a run loads its weights: inside a program it copies the stack."""
+        if not self.hold_bits:
+            return params
+        return {**params, "layers": cpu.hold(params["layers"])}
+
+    def hold_adapters(self, lora, dtype):
+        """A `Lora` for a program that only runs the forward (sampling): its weights cast once
+        to the compute dtype (which each product casts them to anyway), layers held as `hold`
+        holds the base's. Not differentiable where held as bits. None stays None."""
+        if lora is None:
+            return None
+        weights = jax.tree_util.tree_map(lambda a: a.astype(dtype), lora.weights)
+        layers = cpu.hold(weights["layers"]) if self.hold_bits else weights["layers"]
+        return lora.replace(weights={**weights, "layers": layers})
+
+    def cache_dtype(self, dtype):
+        """The KV cache's dtype for activations in `dtype`."""
+        return jnp.float32 if self.float32_cache else jnp.dtype(dtype)
+
+    def compiler_options(self, program: str) -> dict[str, str] | None:
+        """XLA options for `program` ("decode"), or None."""
+        return dict(self.decode_options) or None if program == "decode" else None
+
+    def dequantize_strategy(self, quant) -> str:
+        """"once" or "per_layer" for quant.dequantize (auto resolves by platform)."""
+        return self.dequantize_auto if quant.dequantize == "auto" else quant.dequantize
+
+
+def dense(x):
+    """A held leaf (`cpu.Bits`) as its array; arrays as they are."""
+    return x.as_dense() if isinstance(x, cpu.Bits) else x
+
+
+def dense_tree(tree):
+    """tree with every `cpu.Bits` leaf as its array (QTensors and arrays as they are)."""
+    return jax.tree_util.tree_map(dense, tree, is_leaf=cpu.is_held)
+
+
+# The XLA reference forms (the TPU's, and the default of functions called without a choice):
+# plain products, the NF4 block form for one token per row and the dense form for many,
+# weights as arrays, the cache in the activations' dtype.
+REFERENCE = Numerics(name="xla")
+
+# On few cores a decode step's weight copies and matmuls compete for memory under XLA:CPU's
+# default (concurrency-optimized) schedule; ordered for memory it ran 1.5-1.7x faster on 2 cores
+# (docs/benchmarks.md, "Where the rollout's time goes").
+_CPU_DECODE_OPTIONS = (("xla_cpu_scheduler_type", "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"),)
+
+
+def numerics_for(platform: str, devices: int = 1) -> Numerics:
+    """The choice for programs on `devices` devices of `platform` (cpu, gpu or tpu)."""
+    if platform == "cpu":
+        return Numerics(name="cpu", cpu_products=True, hold_bits=True, float32_cache=True,
+                        vocab_major_head=devices == 1, float32_saves=True, gather_bits=True,
+                        decode_options=_CPU_DECODE_OPTIONS, dequantize_auto="once")
+    if platform == "gpu":
+        # the split NF4 form: two elementwise-decoded half kernels that XLA:GPU can fuse into
+        # their matmuls, where the block form's stacked levels and float32 block sums went
+        # to memory on an H200 (docs/benchmarks.md, "First accelerator check: one H200")
+        return Numerics(name="gpu", nf4_decode="split", nf4_many="split")
+    if platform == "tpu":
+        return dataclasses.replace(REFERENCE, name="tpu")
+    raise ValueError(f"no numerics for platform {platform!r}; expected one of {PLATFORMS}")
+
+
+def numerics_of(rules=None) -> Numerics:
+    """The choice for programs on a mesh (`jaxrl.sharding.MeshRules`: its devices' platform
+    and count), or on one device of the default backend when rules is None."""
+    if rules is None:
+        return numerics_for(jax.default_backend(), 1)
+    devices = rules.mesh.devices
+    return numerics_for(devices.flat[0].platform, devices.size)
+
+
+class Program:
+    """`fun` jitted with the XLA options its `numerics` argument asks for (`compiler_options`
+    of `program`): one `jax.jit` per set of options, each called, or lowered, like the jitted
+    function. `numerics` must be among `static_argnames`."""
+
+    def __init__(self, fun, program: str, **jit_kwargs):
+        if "numerics" not in jit_kwargs.get("static_argnames", ()):
+            raise ValueError("a Program's numerics must be a static argument")
+        self.fun, self.program, self._kwargs = fun, program, jit_kwargs
+        self._jitted: dict[Any, Any] = {}
+
+    def jitted(self, numerics: Numerics):
+        options = numerics.compiler_options(self.program)
+        key = None if options is None else tuple(sorted(options.items()))
+        if key not in self._jitted:
+            self._jitted[key] = jax.jit(self.fun, compiler_options=options, **self._kwargs)
+        return self._jitted[key]
+
+    def __call__(self, *args, numerics: Numerics = REFERENCE, **kwargs):
+        return self.jitted(numerics)(*args, numerics=numerics, **kwargs)
+
+    def lower(self, *args, numerics: Numerics = REFERENCE, **kwargs):
+        return self.jitted(numerics).lower(*args, numerics=numerics, **kwargs)
+
+    def cache_size(self) -> int:
+        """Compiled programs held, over every set of options (as jax's `_cache_size`)."""
+        return sum(f._cache_size() for f in self._jitted.values())

@@ -1,0 +1,313 @@
+"""Memory and compile planning: the programs `jaxrl train` runs, lowered and compiled for a
+configuration from abstract shapes (no weights are read or allocated), with their per-device
+memory. `jaxrl plan` (jaxrl/commands/plan.py) prints it; `jaxrl bench` and tools/ build on the
+abstract run.
+
+The programs are the ones a run compiles, with the run's mesh, shardings, batch
+(data.prompts_per_step x grpo.num_generations rows), prompt and completion buckets, NF4 layout
+and LoRA targets. Figures come from XLA's `memory_analysis()` of each compiled program, per
+device: arguments, outputs, temporaries, and peak = arguments + outputs - aliased (donated)
+buffers + temporaries. What stays on the device between programs counts too: while the sampler
+runs, the optimizer state (not one of its arguments) is still resident, so the sampler needs
+its peak plus that (and the reference pass, which takes no adapter, its peak plus the whole
+train state). The step is compiled with optim.remat's policy; under auto, with the one a run
+would take (jaxrl/rl/remat.py).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import topologies
+
+from jaxrl import distributed
+from jaxrl.backends.numerics import Numerics, numerics_of
+from jaxrl.config import ConfigError, UsageError
+from jaxrl.devices import GIB
+from jaxrl.hf.loader import load_model
+from jaxrl.lora.lora import init_lora
+from jaxrl.rl.remat import choose
+from jaxrl.rl.session import completion_width, prompt_share_limit, step_options
+from jaxrl.rl.train_step import (Batch, compile_reference, compile_train_step, init_train_state,
+                                 make_optimizer)
+from jaxrl.sampling.buckets import bucket
+from jaxrl.sampling.programs import abstract_slots, admit, generate
+from jaxrl.sampling.sampler import slot_layout
+from jaxrl.sampling.sampling_fns import Decoding, RowSettings
+from jaxrl.sharding import (abstract, lora_shardings, reference_shardings, state_shardings,
+                            step_shardings)
+
+
+def topology_devices(name: str) -> list:
+    """Compile-only devices of a TPU slice such as v5e:4x4."""
+    # compiling touches no chip, so the lock libtpu takes against a second process is not needed
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    try:
+        dims = [int(d) for d in name.split(":", 1)[1].split("x")]
+    except (IndexError, ValueError):
+        raise UsageError(f"--topology {name!r} is not GENERATION:AxB[xC], e.g. v5e:4x4, "
+                         "v5p:4x4x4") from None
+    # a slice smaller than one host's chips (a single chip, say) has to say so
+    small = {"chips_per_host_bounds": (dims + [1, 1])[:3]} if math.prod(dims) < 4 else {}
+    try:
+        return list(topologies.get_topology_desc(topology_name=name, platform="tpu",
+                                                 **small).devices)
+    except RuntimeError as e:
+        if "not installed" in str(e):
+            raise RuntimeError("--topology needs libtpu: pip install -e '.[tpu]' (or point "
+                               "TPU_LIBRARY_PATH at a libtpu.so)") from e
+        raise UsageError(f"--topology {name!r} is not a TPU slice libtpu knows ({e}); "
+                         "examples: v5e:2x2, v5e:4x4, v5p:2x2x1, v5p:4x4x4") from e
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramMemory:
+    """Per-device bytes of one compiled program, plus what else is resident while it runs."""
+
+    name: str
+    argument: int
+    output: int
+    alias: int
+    temp: int
+    resident_other: int
+
+    @property
+    def peak(self) -> int:
+        return self.argument + self.output - self.alias + self.temp
+
+    @property
+    def need(self) -> int:
+        return self.peak + self.resident_other
+
+
+def per_device_bytes(tree, shardings) -> int:
+    """Bytes one device holds of an abstract tree laid out by `shardings` (the largest shard)."""
+    leaves = jax.tree_util.tree_leaves(tree)
+    specs = jax.tree_util.tree_leaves(shardings)
+    return sum(math.prod(s.shard_shape(a.shape)) * a.dtype.itemsize
+               for a, s in zip(leaves, specs))
+
+
+@dataclasses.dataclass(frozen=True)
+class AbstractRun:
+    """The run's device state as ShapeDtypeStructs, with its shardings, and the numerics its
+    programs take."""
+
+    params: Any
+    lora: Any
+    state: Any
+    state_shardings: Any
+    optimizer: Any
+    rows: int
+    numerics: Numerics
+
+
+def abstract_run(cfg, spec, rules) -> AbstractRun:
+    """Params as the run holds them on `rules`' platform (`jaxrl.hf.loader.load_model`'s
+    abstract weights: NF4 kernels packed, or dequantized once on the CPU), the adapter, and the
+    train state: shapes, dtypes and shardings only."""
+    numerics = numerics_of(rules)
+    params = load_model(spec, dtype=cfg.model.dtype, quant=cfg.quant, numerics=numerics,
+                        rules=rules, weights="abstract").params
+    lora = jax.eval_shape(lambda key: init_lora(
+        spec, key, rank=cfg.lora.rank, alpha=cfg.lora.alpha, targets=cfg.lora.targets,
+        dropout=cfg.lora.dropout), jax.random.PRNGKey(0))
+    optimizer, _ = make_optimizer(cfg.optim, cfg.run.steps)
+    state = jax.eval_shape(lambda adapter: init_train_state(adapter, optimizer), lora)
+    shardings = state_shardings(rules, state, optimizer, spec)
+    return AbstractRun(params=params,
+                       lora=abstract(lora, lora_shardings(rules, lora, spec)),
+                       state=abstract(state, shardings), state_shardings=shardings,
+                       optimizer=optimizer,
+                       rows=cfg.data.prompts_per_step * cfg.grpo.num_generations,
+                       numerics=numerics)
+
+
+def _slots(cfg, spec, rules, run: AbstractRun):
+    """The rollout engine's slots as `sample` lays them out for the run's rows (a group's G
+    slots sharing its prompt; one slot each in multi-turn rollouts), ShapeDtypeStructs."""
+    group = 1 if cfg.data.env else cfg.grpo.num_generations
+    slots, share = slot_layout(run.rows, group, 0, rules.batch_ways)
+    return abstract_slots(run.params, spec, slots, _capacity(cfg), rules, share=share,
+                          prompt_capacity=bucket(cfg.data.max_prompt_tokens),
+                          numerics=run.numerics)
+
+
+def lower_sampler(cfg, spec, rules, run: AbstractRun):
+    """The decode engine's `generate` (one chunk of the run's new-token bucket) lowered for a
+    slot per row of the run (jaxrl/sampling/programs.py)."""
+    state = _slots(cfg, spec, rules, run)
+    return generate.lower(state, run.params, run.lora, spec=spec,
+                          eos_ids=spec.eos_token_ids or (0,),
+                          steps=bucket(cfg.sampling.max_new_tokens), shardings=rules,
+                          numerics=run.numerics)
+
+
+def lower_prefill(cfg, spec, rules, run: AbstractRun):
+    """The decode engine's `admit` lowered for one step's prompts (data.prompts_per_step of
+    data.max_prompt_tokens) filling a slot per row."""
+    state = _slots(cfg, spec, rules, run)
+    slots = state.last.shape[0]
+    u, p = bucket(cfg.data.prompts_per_step, minimum=1), bucket(cfg.data.max_prompt_tokens)
+    sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rules.rows(shape))
+    m = (slots,)
+    settings = jax.tree_util.tree_map(lambda a: sds(a.shape, a.dtype),
+                                      RowSettings.of([Decoding()] * slots))
+    return admit.lower(state, run.params, run.lora, sds((u, p), jnp.int32), sds((u,), jnp.int32),
+                       sds(m, jnp.int32), sds(m, jnp.int32), sds((slots, 2), jnp.uint32),
+                       settings, sds(m, jnp.int32), spec=spec,
+                       eos_ids=spec.eos_token_ids or (0,), shardings=rules,
+                       numerics=run.numerics)
+
+
+def _capacity(cfg) -> int:
+    """Cache columns per slot: the prompt bucket plus the new-token bucket, or with data.env
+    the episode's token budget (multi-turn rollouts, jaxrl/rl/episodes.py)."""
+    return bucket(cfg.data.max_prompt_tokens) + (
+        cfg.env.max_tokens if cfg.data.env else bucket(cfg.sampling.max_new_tokens))
+
+
+def lower_step(cfg, spec, rules, run: AbstractRun, remat: str):
+    """The GRPO train step lowered for a batch of the run's rows: the prompt bucket plus
+    sampling.max_new_tokens columns (env.max_tokens with data.env), micro-batched as
+    optim.micro_batch_size says, recomputing as the remat policy `remat` (none, dots or full)
+    says."""
+    b, n = run.rows, completion_width(cfg)
+    s = bucket(cfg.data.max_prompt_tokens) + n
+    sds = jax.ShapeDtypeStruct
+    batch = Batch(tokens=sds((b, s), jnp.int32), positions=sds((b, s), jnp.int32),
+                  attn_mask=sds((b, s), jnp.bool_), completion_mask=sds((b, n), jnp.bool_),
+                  logp_old=sds((b, n), jnp.float32), advantages=sds((b,), jnp.float32),
+                  ref_logp=sds((b, n), jnp.float32) if cfg.grpo.beta > 0 else None,
+                  share=prompt_share_limit(cfg, rules, b))  # a group's rows: one prompt
+    shardings = step_shardings(rules, run.state, run.params, spec, run.optimizer, b)
+    opts = dataclasses.replace(step_options(cfg, rules), remat=remat)
+    step = compile_train_step(spec, run.optimizer, opts, shardings)
+    return step.lower(run.state, run.params, batch)
+
+
+def lower_reference(cfg, spec, rules, run: AbstractRun):
+    """The GRPO reference pass (the frozen base's log-probs of a step's rows) lowered for the
+    step's batch, micro-batched as the update is."""
+    b = run.rows
+    s = bucket(cfg.data.max_prompt_tokens) + completion_width(cfg)
+    shardings = reference_shardings(rules, run.params, spec, b)
+    rows = jax.ShapeDtypeStruct((b, s), jnp.int32, sharding=shardings[1])
+    mask = jax.ShapeDtypeStruct((b, s), jnp.bool_, sharding=shardings[1])
+    share = prompt_share_limit(cfg, rules, b)  # a group's rows: one prompt
+    return compile_reference(spec, step_options(cfg, rules), shardings,
+                             share=share).lower(run.params, rows, rows, mask)
+
+
+class OutOfMemory(RuntimeError):
+    """The compiler itself found that a program cannot fit the device (TPU compiles refuse)."""
+
+
+@contextlib.contextmanager
+def _refusal(name: str):
+    """Turns the compiler's refusal of a program for lack of device memory into OutOfMemory."""
+    try:
+        yield
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        raise OutOfMemory(f"{name}: {str(e).split(':', 1)[-1].strip()}") from None
+
+
+def _analysis(name: str, compiled, resident_other: int = 0) -> ProgramMemory:
+    m = compiled.memory_analysis()
+    return ProgramMemory(name, m.argument_size_in_bytes, m.output_size_in_bytes,
+                         m.alias_size_in_bytes, m.temp_size_in_bytes, resident_other)
+
+
+def compile_grpo_step(cfg, spec, rules, run: AbstractRun,
+                      capacity: int | None) -> tuple[str, Any]:
+    """(remat policy, the GRPO step compiled with it): optim.remat, or for auto the one
+    `jaxrl.rl.remat.choose` takes for `capacity` bytes per device, as a run takes it."""
+    lower = lambda policy: lower_step(cfg, spec, rules, run, policy)  # noqa: E731
+    if cfg.optim.remat == "auto":
+        return choose(lower, capacity)
+    return cfg.optim.remat, lower(cfg.optim.remat).compile()
+
+
+def _step_memory(cfg, spec, rules, run: AbstractRun, capacity: int | None) -> ProgramMemory:
+    """The GRPO step's figures, named with its remat policy (`compile_grpo_step`)."""
+    with _refusal("grpo step"):
+        policy, compiled = compile_grpo_step(cfg, spec, rules, run, capacity)
+    return _analysis(f"grpo step (remat {policy})", compiled)
+
+
+def plan_memory(cfg, spec, rules,
+                capacity: int | None = None) -> list[ProgramMemory | OutOfMemory]:
+    """Compiles the sampler, the reference pass and the GRPO step of `cfg` on `rules`' mesh
+    from abstract shapes; a program the compiler refuses for lack of device memory is an
+    `OutOfMemory` entry. capacity: bytes per device, for optim.remat auto."""
+    run = abstract_run(cfg, spec, rules)
+    opt_bytes = per_device_bytes(run.state.opt_state, run.state_shardings.opt_state)
+    state_bytes = per_device_bytes(run.state, run.state_shardings)
+    rows = []
+    for name, lower, resident in (("sampler", lower_sampler, opt_bytes),
+                                  ("prefill", lower_prefill, opt_bytes),
+                                  ("reference", lower_reference, state_bytes)):
+        try:
+            with _refusal(name):
+                rows.append(_analysis(name, lower(cfg, spec, rules, run).compile(), resident))
+        except OutOfMemory as e:  # the other program's figures still tell where memory goes
+            rows.append(e)
+    try:
+        rows.append(_step_memory(cfg, spec, rules, run, capacity))
+    except OutOfMemory as e:
+        rows.append(e)
+    return rows
+
+
+def host_layout(cfg, rules) -> str:
+    """How the step's rows fall to the hosts of `rules`' devices; ConfigError when a host
+    cannot feed its rows (jaxrl/distributed.py)."""
+    held = distributed.batch_shards(rules)
+    if len(held) == 1:
+        return "one host"
+    distributed.check_layout(rules)
+    g, rows = cfg.grpo.num_generations, cfg.data.prompts_per_step * cfg.grpo.num_generations
+    sharers = sum(s == held[0] for s in held.values())
+    blocks = len(held) // sharers
+    if rows % rules.batch_ways or (rows // blocks) % g:
+        raise ConfigError(
+            f"config key 'data.prompts_per_step' = {cfg.data.prompts_per_step} must be a "
+            f"multiple of the {blocks} row blocks of this mesh, and its rows (x "
+            f"grpo.num_generations = {rows}) of the {rules.batch_ways} batch shards")
+    return (f"{len(held)} hosts x {rules.mesh.devices.size // len(held)} chips: {blocks} row "
+            f"blocks of {rows // blocks} rows, each held by {sharers} "
+            f"host{'s, which sample and score it alike' if sharers > 1 else ''}")
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.2f}"
+
+
+def report(entries: list[ProgramMemory | OutOfMemory], capacity: int | None,
+           source: str = "") -> tuple[str, bool]:
+    """The table `jaxrl plan` prints, and whether the run fits; `source` says where the
+    capacity comes from."""
+    lines = ["| program | argument | output | aliased | temporary | peak | + resident | need |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    rows = [e for e in entries if isinstance(e, ProgramMemory)]
+    failed = [f"DOES NOT FIT: the compiler ran out of device memory for the {e}"
+              for e in entries if isinstance(e, OutOfMemory)]
+    for r in rows:
+        lines.append(f"| {r.name} | {_gib(r.argument)} | {_gib(r.output)} | {_gib(r.alias)} | "
+                     f"{_gib(r.temp)} | {_gib(r.peak)} | {_gib(r.resident_other)} | "
+                     f"{_gib(r.need)} |")
+    need = max((r.need for r in rows), default=0)
+    fits = not failed and (capacity is None or need <= capacity)
+    cap = "unknown" if capacity is None else f"{_gib(capacity)} GiB"
+    cap += f" ({source})" if source else ""
+    spare = "" if capacity is None or not fits else f", {_gib(capacity - need)} GiB to spare"
+    lines.append(f"GiB per device; needs {_gib(need)} GiB of {cap}: "
+                 f"{'fits' if fits else 'DOES NOT FIT'}{spare}")
+    return "\n".join(lines + failed), fits
