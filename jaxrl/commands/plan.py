@@ -2,15 +2,8 @@
 the sampler, the reference pass and the GRPO step for a configuration from abstract shapes (no
 weights are read or allocated) and report their per-device memory.
 
-The programs are the ones `jaxrl train` runs, lowered with the run's mesh, shardings, batch
-(data.prompts_per_step x grpo.num_generations rows), prompt and completion buckets, NF4 layout
-and LoRA targets. Figures come from XLA's `memory_analysis()` of each compiled program, per
-device: arguments, outputs, temporaries, and peak = arguments + outputs - aliased (donated)
-buffers + temporaries. What stays on the device between programs counts too: while the sampler
-runs, the optimizer state (not one of its arguments) is still resident, so the sampler needs
-its peak plus that (and the reference pass, which takes no adapter, its peak plus the whole
-train state). The run fits when the largest need is within the memory the device's
-allocator hands out: on a GPU, XLA's allocator takes a fraction of the card
+What is compiled and how each figure is counted: jaxrl/planner.py. The run fits when the
+largest need is within the memory the device's allocator hands out: on a GPU, XLA's allocator takes a fraction of the card
 (XLA_CLIENT_MEM_FRACTION, formerly XLA_PYTHON_CLIENT_MEM_FRACTION; 0.75 when unset; the
 launch scripts set 0.90), so `--device-memory GIB` names the card's memory and the plan fits
 against --mem-fraction (default: that variable) of it; a TPU chip's figure is what its
