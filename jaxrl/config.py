@@ -70,7 +70,8 @@ class QuantConfig(_Group):
     # per_layer: kernels stay packed on the device and each layer is dequantized inside the
     # layer loop (the memory-saving path); once: dequantized to model.dtype right after loading
     # (same values, dense speed); auto: once on CPU, where memory is plentiful and per-layer
-    # dequantization dominates step time, per_layer on GPU and TPU
+    # dequantization dominates step time; on GPU and TPU once when the run's memory plan with
+    # dense kernels fits the device's memory (jaxrl.planner.dense_fit), else per_layer
     dequantize: str = _setting("auto", choices=("auto", "per_layer", "once"))
 
 

@@ -12,6 +12,12 @@ runs, the optimizer state (not one of its arguments) is still resident, so the s
 its peak plus that (and the reference pass, which takes no adapter, its peak plus the whole
 train state). The step is compiled with optim.remat's policy; under auto, with the one a run
 would take (jaxrl/rl/remat.py).
+
+quant.dequantize auto on a GPU or TPU is decided by memory (`Numerics.dequantize_strategy`):
+a run dequantizes its NF4 kernels once (dense kernels, plain matmuls) when its plan with dense
+kernels fits the device's memory, and keeps them packed when it does not or the memory is
+unknown (`dense_fit`, which a run's loader asks, jaxrl/hf/loader.py). The plan of such a config
+is the one the run takes, and its sampler row names the choice.
 """
 from __future__ import annotations
 
@@ -27,8 +33,8 @@ from jax.experimental import topologies
 
 from jaxrl import distributed
 from jaxrl.backends.numerics import Numerics, numerics_of
-from jaxrl.config import ConfigError, UsageError
-from jaxrl.devices import GIB
+from jaxrl.config import ConfigError, MeshConfig, UsageError
+from jaxrl.devices import GIB, device_memory
 from jaxrl.hf.loader import load_model
 from jaxrl.lora.lora import init_lora
 from jaxrl.rl.remat import choose
@@ -39,8 +45,8 @@ from jaxrl.sampling.buckets import bucket
 from jaxrl.sampling.programs import abstract_slots, admit, generate
 from jaxrl.sampling.sampler import slot_layout
 from jaxrl.sampling.sampling_fns import Decoding, RowSettings
-from jaxrl.sharding import (abstract, lora_shardings, reference_shardings, state_shardings,
-                            step_shardings)
+from jaxrl.sharding import (MeshRules, abstract, lora_shardings, make_mesh, reference_shardings,
+                            state_shardings, step_shardings)
 
 
 def topology_devices(name: str) -> list:
@@ -246,7 +252,32 @@ def plan_memory(cfg, spec, rules,
                 capacity: int | None = None) -> list[ProgramMemory | OutOfMemory]:
     """Compiles the sampler, the reference pass and the GRPO step of `cfg` on `rules`' mesh
     from abstract shapes; a program the compiler refuses for lack of device memory is an
-    `OutOfMemory` entry. capacity: bytes per device, for optim.remat auto."""
+    `OutOfMemory` entry. capacity: bytes per device, for optim.remat auto and for
+    quant.dequantize auto where memory decides it (module docstring; None: NF4 kept)."""
+    quantized = cfg.quant.mode != "none"
+    asked: list[DenseFit] = []
+
+    def dense_fits() -> bool | None:
+        asked.append(dense_fit(cfg, spec, rules, (capacity, "")))
+        return asked[-1].fits
+
+    strategy = (numerics_of(rules).dequantize_strategy(cfg.quant, dense_fits)
+                if quantized else None)
+    if not asked:
+        return _plan(cfg, spec, rules, capacity)
+    if strategy == "once" and asked[-1].entries:
+        entries = list(asked[-1].entries)
+    else:
+        entries = _plan(with_dequantize(cfg, strategy), spec, rules, capacity)
+    first = entries[0]
+    if isinstance(first, ProgramMemory):
+        entries[0] = dataclasses.replace(first, name=f"{first.name} (quant.dequantize auto: "
+                                                     f"{strategy})")
+    return entries
+
+
+def _plan(cfg, spec, rules, capacity: int | None) -> list[ProgramMemory | OutOfMemory]:
+    """`plan_memory` of `cfg` with its quant settings as they are."""
     run = abstract_run(cfg, spec, rules)
     opt_bytes = per_device_bytes(run.state.opt_state, run.state_shardings.opt_state)
     state_bytes = per_device_bytes(run.state, run.state_shardings)
@@ -264,6 +295,79 @@ def plan_memory(cfg, spec, rules,
     except OutOfMemory as e:
         rows.append(e)
     return rows
+
+
+def with_dequantize(cfg, strategy: str):
+    """cfg with quant.dequantize set to `strategy`."""
+    return dataclasses.replace(cfg, quant=dataclasses.replace(cfg.quant, dequantize=strategy))
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseFit:
+    """Whether a run fits its devices' memory with its quantized kernels dequantized once: its
+    memory plan (`plan_memory`) with quant.dequantize once, per device."""
+
+    fits: bool | None  # None: the device's memory is unknown
+    weights: int  # bytes of the params with dense kernels
+    need: int | None  # the plan's need (None: not planned: the weights alone do not fit)
+    capacity: int | None  # the device's memory
+    source: str  # where `capacity` comes from
+    entries: tuple = dataclasses.field(default=(), repr=False)  # the plan's rows
+    note: str = ""
+
+    def describe(self) -> str:
+        """One line: the figures and the verdict."""
+        where = f"{_gib(self.capacity)} GiB" if self.capacity is not None else "unknown"
+        where += f" ({self.source})" if self.source else ""
+        if self.fits is None and self.capacity is not None:
+            text = f"dense weights {_gib(self.weights)} GiB of {where}: not planned, NF4 kept"
+        elif self.capacity is None:
+            text = f"dense weights {_gib(self.weights)} GiB; device memory {where}: NF4 kept"
+        elif self.need is None:
+            text = (f"dense weights alone {_gib(self.weights)} GiB per device, of {where}: "
+                    "do not fit, NF4 kept")
+        else:
+            text = (f"with dense kernels the run needs {_gib(self.need)} GiB per device (dense "
+                    f"weights {_gib(self.weights)} GiB) of {where}: "
+                    f"{'fits' if self.fits else 'does not fit, NF4 kept'}")
+        return text + (f"; {self.note}" if self.note else "")
+
+
+def dense_fit(cfg, spec, rules: MeshRules | None = None,
+              memory: tuple[int | None, str] | None = None) -> DenseFit:
+    """Whether `cfg` fits its devices' memory with quant.dequantize once, by its memory plan on
+    `rules`' mesh (None: one device, the first). memory: (bytes per device, where that figure
+    comes from); default `jaxrl.devices.device_memory` of the mesh's devices (the allocator's
+    limit a device reports, else the chip's known memory, else unknown). When the dense weights
+    alone exceed it nothing is compiled; a plan that fails to build leaves the answer unknown
+    (the note says why). With several processes every process calls this, and the run fits
+    only where every process's devices fit."""
+    if rules is None:
+        rules = MeshRules(make_mesh(MeshConfig(), jax.devices()[:1]))
+    capacity, source = memory if memory is not None else device_memory(
+        list(rules.mesh.devices.flat))
+    dense = with_dequantize(cfg, "once")
+    run = abstract_run(dense, spec, rules)
+    weights = per_device_bytes(run.params,
+                               jax.tree_util.tree_map(lambda a: a.sharding, run.params))
+    need, entries, note = None, (), ""
+    if capacity is None:
+        fits = None
+    elif weights > capacity:
+        fits = False
+    else:
+        try:
+            entries = tuple(_plan(dense, spec, rules, capacity))
+        except Exception as e:  # noqa: BLE001  (no plan: the memory question stays open)
+            fits, note = None, f"the plan with dense kernels failed: {type(e).__name__}: {e}"
+        else:
+            rows = [e for e in entries if isinstance(e, ProgramMemory)]
+            need = max((r.need for r in rows), default=0)
+            fits = len(rows) == len(entries) and need <= capacity
+    # every process asks the others (host_max gathers), so that all take one layout
+    if jax.process_count() > 1 and distributed.host_max(0 if fits else 1) and fits:
+        fits, note = False, "another process's devices do not fit"
+    return DenseFit(fits, weights, need, capacity, source, entries, note)
 
 
 def host_layout(cfg, rules) -> str:

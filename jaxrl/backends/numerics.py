@@ -30,17 +30,44 @@ tests. Figures behind each CPU choice are in docs/benchmarks.md.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import warnings
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxrl.backends import cpu
 from jaxrl.quant.nf4 import QTensor
-from jaxrl.quant.qmatmul import qmatmul
+from jaxrl.quant.qmatmul import FORMS, qmatmul
 
 PLATFORMS = ("cpu", "gpu", "tpu")
+# NF4 linear forms: jaxrl.quant.qmatmul's XLA forms, or "kernel", the Pallas GPU kernel that
+# reads one layer of the stacked codes in place and adds the LoRA term in its epilogue
+# (jaxrl/backends/nf4_gpu.py)
+NF4_FORMS = FORMS + ("kernel",)
+# decode attention: "xla" scores every cache column and masks (jaxrl.model.attention), or
+# "pallas_gpu", the kernel that reads each row's filled columns of one layer of the stacked
+# cache in place (jaxrl/backends/attention_gpu.py)
+ATTENTION_FORMS = ("xla", "pallas_gpu")
+
+
+class AtLayer:
+    """Layer `layer` (a traced int32 scalar) of `stack`, a pytree of arrays or QTensors with a
+    leading [L] axis, not sliced: a kernel reads it in place, where a slice that feeds a
+    custom call is copied by XLA:GPU; an XLA form takes the slice (`get`)."""
+
+    __slots__ = ("stack", "layer")
+
+    def __init__(self, stack, layer):
+        self.stack, self.layer = stack, layer
+
+    def get(self):
+        """The layer's slice of every leaf."""
+        return jax.tree_util.tree_map(
+            lambda a: jax.lax.dynamic_index_in_dim(a, self.layer, keepdims=False), self.stack)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,8 +76,8 @@ class Numerics:
 
     name: str  # the platform chosen for (cpu, gpu, tpu) or "xla" (the reference)
     cpu_products: bool = False  # operands below float32 take `cpu.product`
-    nf4_decode: str = "block"  # qmatmul form of a call with one token per row
-    nf4_many: str = "dense"  # qmatmul form of a call with many tokens per row
+    nf4_decode: str = "block"  # NF4 form of a call with one token per row (NF4_FORMS)
+    nf4_many: str = "dense"  # NF4 form of a call with many tokens per row (NF4_FORMS)
     hold_bits: bool = False  # bfloat16 layer weights held as `cpu.Bits`
     float32_cache: bool = False  # KV cache in float32 (else the activations' dtype)
     vocab_major_head: bool = False  # a decode step's tied head vocab-major (one CPU device)
@@ -58,6 +85,26 @@ class Numerics:
     gather_bits: bool = False  # bfloat16 embedding rows gathered as bits
     decode_options: tuple[tuple[str, str], ...] = ()  # XLA options of the decode program
     dequantize_auto: str = "per_layer"  # quant.dequantize: auto -> once | per_layer
+    attention: str = "xla"  # decode attention (ATTENTION_FORMS)
+    fixed_chunk: bool = False  # a decode chunk: fixed trip count over live masks, no conds
+    interpret: bool = False  # Pallas kernels in interpret mode (the GPU choice on a CPU host)
+
+    def __post_init__(self):
+        for form in (self.nf4_decode, self.nf4_many):
+            if form not in NF4_FORMS:
+                raise ValueError(f"NF4 form {form!r} is not one of {NF4_FORMS}")
+        if self.attention not in ATTENTION_FORMS:
+            raise ValueError(f"attention {self.attention!r} is not one of {ATTENTION_FORMS}")
+
+    @property
+    def in_place_layers(self) -> bool:
+        """Whether the layer loop hands the kernels whole stacks and the layer index
+        (`AtLayer`: NF4 kernels and the KV cache) instead of scanning over their slices."""
+        return self.attention != "xla" or "kernel" in (self.nf4_decode, self.nf4_many)
+
+    def nf4_form(self, tokens: int) -> str:
+        """The NF4 form of a call with `tokens` tokens per row."""
+        return self.nf4_decode if tokens == 1 else self.nf4_many
 
     # -- products ---------------------------------------------------------------------------
     def product(self, x: jax.Array, w: jax.Array, *, transposed: bool = False,
@@ -71,13 +118,51 @@ class Numerics:
         return jnp.einsum(spec, x, w, preferred_element_type=dtype)
 
     def matmul(self, x: jax.Array, kernel, *, dtype) -> jax.Array:
-        """x [..., T, I] @ kernel [I, O] (an array, `cpu.Bits` or an NF4 `QTensor`) as
-        [..., T, O] in `dtype`, accumulated in float32; a QTensor takes the decode form when
-        T is 1 and the many-token form otherwise."""
+        """x [..., T, I] @ kernel [I, O] (an array, `cpu.Bits`, an NF4 `QTensor`, or an
+        `AtLayer` of a stacked one) as [..., T, O] in `dtype`, accumulated in float32; a
+        QTensor takes the decode form when T is 1 and the many-token form otherwise."""
+        form = self.nf4_form(x.shape[-2])
+        if isinstance(kernel, AtLayer):
+            if form == "kernel":
+                return self.nf4_linear(x, kernel, None, dtype=dtype)
+            kernel = kernel.get()
         if isinstance(kernel, QTensor):
-            form = self.nf4_decode if x.shape[-2] == 1 else self.nf4_many
-            return qmatmul(x, kernel, form=form, dtype=dtype)
+            return qmatmul(x, kernel, form="split" if form == "kernel" else form, dtype=dtype)
         return self.product(x, dense(kernel), dtype=dtype)
+
+    def fuses(self, kernel, tokens: int) -> bool:
+        """Whether a linear of `kernel` over `tokens` tokens per row runs as one kernel with
+        its LoRA term (and a gate|up pair with SwiGLU) in the epilogue (`nf4_linear`)."""
+        return isinstance(kernel, AtLayer) and self.nf4_form(tokens) == "kernel"
+
+    def nf4_linear(self, x: jax.Array, kernel: AtLayer, adapter, *, scale: float = 1.0,
+                   dtype=None, up: AtLayer | None = None, up_adapter=None) -> jax.Array:
+        """The Pallas NF4 kernel (jaxrl/backends/nf4_gpu.py) on x [..., I] and layer
+        kernel.layer of the stacked QTensor kernel.stack, with adapter {"a": [I, r],
+        "b": [r, O]} (or None) added in its epilogue: x @ W + scale * (x @ A) @ B, the
+        low-rank product rounded as `jaxrl.lora.lora.lora_delta` rounds it. With `up` (and
+        up_adapter): swiglu(gate, up) of the gate projection `kernel` and the up projection,
+        in one kernel. Differentiable (the backward is the XLA reference's)."""
+        from jaxrl.backends import nf4_gpu
+
+        lead, n_in = x.shape[:-1], x.shape[-1]
+        x2 = x.reshape(-1, n_in)
+
+        def low_rank(ad):
+            if ad is None:
+                return None
+            xa = jnp.einsum("mi,ir->mr", x2, ad["a"].astype(x.dtype),
+                            preferred_element_type=jnp.float32)
+            return (scale * xa).astype(x.dtype), ad["b"].astype(x.dtype)
+
+        if up is None:
+            y = nf4_gpu.nf4_matmul(x2, kernel.stack, kernel.layer, lora=low_rank(adapter),
+                                   dtype=dtype or x.dtype, interpret=self.interpret)
+        else:
+            y = nf4_gpu.nf4_swiglu(x2, kernel.stack, up.stack, kernel.layer,
+                                   gate_lora=low_rank(adapter), up_lora=low_rank(up_adapter),
+                                   interpret=self.interpret)
+        return y.reshape(*lead, y.shape[-1])
 
     def low_precision_saves(self, dtype) -> bool:
         """Whether remat saves a `dtype` projection as float32 (`save`)."""
@@ -89,6 +174,15 @@ class Numerics:
         if self.low_precision_saves(y.dtype):
             return checkpoint_name(y.astype(jnp.float32), name).astype(y.dtype)
         return checkpoint_name(y, name)
+
+    def filled_attention(self):
+        """The decode-attention kernel that reads only each row's filled cache columns, in
+        place in the layer-stacked cache (the `jaxrl.backends.attention_gpu.decode_attention`
+        contract), or None: the XLA form over every column (`jaxrl.model.attention.attend`)."""
+        if self.attention == "pallas_gpu":
+            from jaxrl.backends import attention_gpu
+            return functools.partial(attention_gpu.decode_attention, interpret=self.interpret)
+        return None
 
     # -- embedding and head -----------------------------------------------------------------
     def embed(self, table: jax.Array, tokens: jax.Array) -> jax.Array:
@@ -125,13 +219,34 @@ class Numerics:
         """The KV cache's dtype for activations in `dtype`."""
         return jnp.float32 if self.float32_cache else jnp.dtype(dtype)
 
+    @property
+    def lowering_platforms(self) -> tuple[str, ...] | None:
+        """The platforms to lower this choice's programs for from any host: ("cuda",) where
+        its Pallas GPU kernels run compiled (they lower for CUDA only), else None (the
+        host's)."""
+        return ("cuda",) if self.in_place_layers and not self.interpret else None
+
     def compiler_options(self, program: str) -> dict[str, str] | None:
         """XLA options for `program` ("decode"), or None."""
         return dict(self.decode_options) or None if program == "decode" else None
 
-    def dequantize_strategy(self, quant) -> str:
-        """"once" or "per_layer" for quant.dequantize (auto resolves by platform)."""
-        return self.dequantize_auto if quant.dequantize == "auto" else quant.dequantize
+    def dequantize_strategy(self, quant, dense_fits=None) -> str:
+        """"once" or "per_layer" for quant.dequantize; a named strategy is taken as it is.
+        auto: "once" where this numerics always dequantizes once (dequantize_auto "once": the
+        CPU, whose memory is plentiful and where dequantizing per layer dominates a step);
+        elsewhere by memory: `dense_fits()` says whether the run fits the device's memory with
+        its kernels dequantized once (True, False, or None when unknown; the planner's memory
+        plan, `jaxrl.planner.dense_fit`), called only here, and auto is "once" when it does
+        (dense kernels, plain matmuls), "per_layer" when it does not (NF4 kept), and
+        dequantize_auto when that is unknown or dense_fits is None."""
+        if quant.dequantize != "auto":
+            return quant.dequantize
+        if self.dequantize_auto == "once" or dense_fits is None:
+            return self.dequantize_auto
+        fits = dense_fits()
+        if fits is None:
+            return self.dequantize_auto
+        return "once" if fits else "per_layer"
 
 
 def dense(x):
@@ -162,13 +277,56 @@ def numerics_for(platform: str, devices: int = 1) -> Numerics:
                         vocab_major_head=devices == 1, float32_saves=True, gather_bits=True,
                         decode_options=_CPU_DECODE_OPTIONS, dequantize_auto="once")
     if platform == "gpu":
-        # the split NF4 form: two elementwise-decoded half kernels that XLA:GPU can fuse into
-        # their matmuls, where the block form's stacked levels and float32 block sums went
-        # to memory on an H200 (docs/benchmarks.md, "First accelerator check: one H200")
-        return Numerics(name="gpu", nf4_decode="split", nf4_many="split")
+        # calls with many tokens: the split NF4 form, two elementwise-decoded half kernels that
+        # XLA:GPU can fuse into their matmuls, where the block form's stacked levels and
+        # float32 block sums went to memory on an H200 (docs/benchmarks.md, "First
+        # accelerator check: one H200")
+        xla = Numerics(name="gpu", nf4_decode="split", nf4_many="split", fixed_chunk=True)
+        # the Pallas kernels on one device (a pallas_call has no partitioning rule, so on a
+        # mesh they would gather their operands), where this jax lowers them
+        if devices > 1 or gpu_kernels_unusable() is not None:
+            return xla
+        return dataclasses.replace(xla, nf4_decode="kernel", attention="pallas_gpu")
     if platform == "tpu":
-        return dataclasses.replace(REFERENCE, name="tpu")
+        return dataclasses.replace(REFERENCE, name="tpu", fixed_chunk=True)
     raise ValueError(f"no numerics for platform {platform!r}; expected one of {PLATFORMS}")
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_kernels_unusable() -> str | None:
+    """None when this jax lowers the Pallas GPU kernels (jaxrl/backends/attention_gpu.py and
+    nf4_gpu.py) for CUDA, else why not, in one line, warned once: the GPU choice then keeps the
+    XLA forms. Probed by lowering each kernel at a tiny shape (no GPU needed)."""
+    try:
+        _lower_gpu_kernels()
+    except Exception as err:  # any failure of this jax's Pallas: fall back, never crash
+        why = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        warnings.warn(f"jax {jax.__version__} does not lower jaxrl's Pallas GPU kernels "
+                      f"({why[:200]}); the GPU keeps the XLA forms", RuntimeWarning, 2)
+        return why
+    return None
+
+
+def _lower_gpu_kernels() -> None:
+    from jaxrl.backends import attention_gpu, nf4_gpu
+    from jaxrl.quant.nf4 import quantize_np
+
+    f32 = jnp.float32
+    q = jax.ShapeDtypeStruct((1, 1, 16, 16), jnp.bfloat16)
+    cache = jax.ShapeDtypeStruct((1, 1, 1, 64, 16), jnp.bfloat16)
+    one = jax.ShapeDtypeStruct((1,), jnp.int32)
+    layer = jax.ShapeDtypeStruct((), jnp.int32)
+    w = quantize_np(np.zeros((1, 64, 32), np.float32), 64, "nf4")
+    x = jax.ShapeDtypeStruct((2, 64), jnp.bfloat16)
+    lora = (jax.ShapeDtypeStruct((2, 4), jnp.bfloat16), jax.ShapeDtypeStruct((4, 32), f32))
+
+    def program(q, k, v, lengths, layer, x, lora):
+        out, _ = attention_gpu.decode_attention(q, k, v, layer, lengths)
+        return out, nf4_gpu.nf4_matmul(x, w, layer, lora=lora), nf4_gpu.nf4_swiglu(
+            x, w, w, layer, gate_lora=lora, up_lora=lora)
+
+    jax.jit(program).trace(q, cache, cache, one, layer, x, lora).lower(
+        lowering_platforms=("cuda",))
 
 
 def numerics_of(rules=None) -> Numerics:
@@ -201,8 +359,11 @@ class Program:
     def __call__(self, *args, numerics: Numerics = REFERENCE, **kwargs):
         return self.jitted(numerics)(*args, numerics=numerics, **kwargs)
 
-    def lower(self, *args, numerics: Numerics = REFERENCE, **kwargs):
-        return self.jitted(numerics).lower(*args, numerics=numerics, **kwargs)
+    def lower(self, *args, numerics: Numerics = REFERENCE, lowering_platforms=None, **kwargs):
+        """The lowered program; lowering_platforms (e.g. ("cuda",)) lowers for a platform
+        this host lacks, as `jaxrl.bench.lowered` and the tests of the GPU choice do."""
+        traced = self.jitted(numerics).trace(*args, numerics=numerics, **kwargs)
+        return traced.lower(lowering_platforms=lowering_platforms)
 
     def cache_size(self) -> int:
         """Compiled programs held, over every set of options (as jax's `_cache_size`)."""

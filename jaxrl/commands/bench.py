@@ -23,10 +23,29 @@ rows decode their full length.
   engine  useful tokens/s of the slot engine (sampling.slots slots, 16 if unset) on --requests
           requests of mixed prompt and completion lengths; --static adds the same workload on
           static batches for comparison
+  decode  ms per decode step at a set cache fill, without a prefill: for each --batches size
+          (default: one step's rows) and each of --capacities (default: the run's prompt plus
+          new-token buckets), slots holding --fill of their columns (0.5) decode --steps tokens
+          per call (16); each of --forms runs in turn, --repeats times after a warm-up call:
+          block and split (the XLA NF4 forms over XLA attention, the chunk stopping early),
+          kernels (the Pallas NF4 and attention kernels, a fixed chunk; where this tree's
+          numerics has them), dense (the platform's numerics with dense kernels); default: the
+          platform's numerics on the run's layout. Each row has the bytes a step must move
+          (weights as stored, adapter, filled cache columns: jaxrl/bench/lowered.py) and their
+          share of peak bandwidth; --structure adds the program's structural counts (dots,
+          custom calls and fusions per layer, loops, conditionals, host transfers). A case whose
+          cache and params need more than the device's memory is skipped. One device.
 
---profile DIR traces the last timed call (of each batch for sample, the last step for step)
-with jax.profiler into DIR (read it with TensorBoard's profile plugin, XProf or Perfetto) and
-prints the device's time in it by program and operation, the most costly first.
+--profile DIR traces the last timed call (of each batch for sample, the last step for step;
+for decode one more call of each form and case, into DIR/bB-cC-FORM) with jax.profiler into DIR
+(read it with TensorBoard's profile plugin, XProf or Perfetto) and prints the device's time in
+it by program and operation, the most costly first; for decode also the device events per
+layer and step and the share of the call's span in which none ran (idle).
+
+--numerics key=value (repeatable) overrides a field of the numerics value the programs take
+(jaxrl/backends/numerics.py), e.g. --numerics nf4_decode=block or attention=pallas_gpu, for
+sample, engine and decode (for decode, after each form's own fields); fields that fix how the
+weights are loaded (hold_bits, dequantize_auto) are not overridden here (quant.dequantize is).
 
 Peaks are the published figures of known accelerators (H100, H200, A100, L4, RTX 4090, TPU v4,
 v5e, v5p, v6e) or, on a CPU, a streaming read and a matmul measured on the spot. Peak memory is
@@ -65,6 +84,9 @@ def register(sub) -> None:
                         help="trace the last timed call (sample: of each batch, into DIR/"
                         "batch-B; step: the last step) with jax.profiler and print the "
                         "device's time by program and operation (not for engine)")
+    common.add_argument("--numerics", action="append", default=[], metavar="FIELD=VALUE",
+                        help="override a numerics field for the programs timed (sample, "
+                        "engine, decode), e.g. nf4_decode=block; repeatable")
     common.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides")
     sample = modes.add_parser("sample", parents=[common], help="prefill and decode tokens/s")
     sample.add_argument("--batches", metavar="B,B,...",
@@ -86,7 +108,69 @@ def register(sub) -> None:
                         "(default: a quarter of it)")
     engine.add_argument("--static", action="store_true",
                         help="also time the workload on static batches of as many rows")
+    decode = modes.add_parser("decode", parents=[common],
+                              help="ms per decode step at a set cache fill, by form")
+    decode.add_argument("--batches", metavar="B,B,...",
+                        help="slots to decode (default: data.prompts_per_step x "
+                        "grpo.num_generations)")
+    decode.add_argument("--capacities", metavar="C,C,...",
+                        help="cache columns per slot (default: the prompt plus new-token "
+                        "buckets)")
+    decode.add_argument("--fill", type=float, default=0.5,
+                        help="share of each slot's columns filled (0.5)")
+    decode.add_argument("--steps", type=int, default=16, help="decode steps per call (16)")
+    decode.add_argument("--repeats", type=int, default=3, help="timed calls per form (3)")
+    decode.add_argument("--forms", metavar="F,F,...",
+                        help="forms taking turns: block, split, kernels, dense (default: the "
+                        "platform's numerics on the run's layout)")
+    decode.add_argument("--structure", action="store_true",
+                        help="add each program's structural counts to its rows")
     bench.set_defaults(func=_bench)
+
+
+# numerics fields that decide how the weights are loaded and held, so not overridable here
+_LOAD_FIELDS = ("name", "hold_bits", "dequantize_auto")
+
+
+def numerics_overrides(items: list[str]) -> dict:
+    """--numerics FIELD=VALUE items as {field: value}, each value parsed as its field's type
+    (bool: true/false/1/0/yes/no; int; str) and the whole checked by building a numerics value
+    with them (which rejects unknown forms); UsageError on any that is not."""
+    import dataclasses
+
+    from jaxrl.backends.numerics import REFERENCE, Numerics
+
+    fields = {f.name: getattr(REFERENCE, f.name) for f in dataclasses.fields(Numerics)}
+    out = {}
+    for item in items:
+        name, sep, text = item.partition("=")
+        name = name.strip().replace("-", "_")
+        if not sep or not name:
+            raise UsageError(f"--numerics {item!r} is not FIELD=VALUE, e.g. nf4_decode=block")
+        if name not in fields or name in _LOAD_FIELDS:
+            allowed = ", ".join(f for f in fields if f not in _LOAD_FIELDS)
+            why = ("fixes how the weights are loaded" if name in _LOAD_FIELDS
+                   else "is not a numerics field")
+            raise UsageError(f"--numerics {name} {why}; fields: {allowed}")
+        default = fields[name]
+        if isinstance(default, bool):
+            if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise UsageError(f"--numerics {name} takes true or false; got {text!r}")
+            out[name] = text.lower() in ("true", "1", "yes")
+        elif isinstance(default, int):
+            try:
+                out[name] = int(text)
+            except ValueError:
+                raise UsageError(f"--numerics {name} takes an integer; got {text!r}") from None
+        elif isinstance(default, str):
+            out[name] = text
+        else:
+            raise UsageError(f"--numerics {name} cannot be set from the command line")
+    try:
+        dataclasses.replace(REFERENCE, **out)
+    except (ValueError, TypeError) as e:
+        raise UsageError(f"--numerics: {e}") from None
+    return out
 
 
 def _positive(name: str, value: int | float | None) -> None:
@@ -97,14 +181,39 @@ def _positive(name: str, value: int | float | None) -> None:
 def _batches(args, cfg) -> list[int]:
     if args.batches is None:
         return [cfg.data.prompts_per_step * cfg.grpo.num_generations]
+    return _counts("--batches", args.batches, "row counts, e.g. 1,8,32")
+
+
+def _counts(option: str, text: str, what: str) -> list[int]:
     try:
-        batches = [int(b) for b in args.batches.split(",")]
+        counts = [int(b) for b in text.split(",")]
     except ValueError:
-        raise UsageError(f"--batches {args.batches!r} must be comma-separated row counts, "
-                         "e.g. 1,8,32") from None
-    for b in batches:
-        _positive("each of --batches", b)
-    return batches
+        raise UsageError(f"{option} {text!r} must be comma-separated {what}") from None
+    for b in counts:
+        _positive(f"each of {option}", b)
+    return counts
+
+
+def _capacities(args, cfg) -> list[int]:
+    if args.capacities is None:
+        from jaxrl.sampling.buckets import bucket
+
+        return [bucket(cfg.data.max_prompt_tokens) + bucket(cfg.sampling.max_new_tokens)]
+    return _counts("--capacities", args.capacities, "cache column counts, e.g. 2048,8192")
+
+
+def _forms(args) -> list[str] | None:
+    if args.forms is None:
+        return None
+    from jaxrl.bench.lowered import FORMS
+
+    forms = args.forms.split(",")
+    for form in forms:
+        if form not in FORMS:
+            raise UsageError(f"--forms takes forms of {', '.join(FORMS)}; got {form!r}")
+    if len(set(forms)) < len(forms):
+        raise UsageError(f"--forms names each form once; got {args.forms}")
+    return forms
 
 
 def _policies(args) -> list[str]:
@@ -133,6 +242,23 @@ def _check(args, cfg) -> None:
                                  f"{args.group}")
     if args.mode == "step":
         _policies(args)
+        if args.numerics:
+            raise UsageError("--numerics applies to jaxrl bench sample, engine and decode; "
+                             "step runs the numerics a run takes")
+    numerics_overrides(args.numerics)
+    if args.mode == "decode":
+        _batches(args, cfg)
+        for c in _capacities(args, cfg):
+            if c < args.steps + 2:
+                raise UsageError(f"--capacities {c} must exceed --steps {args.steps} + 1: the "
+                                 "slots hold filled columns and decode --steps more")
+        _positive("--steps", args.steps)
+        if not 0 < args.fill < 1:
+            raise UsageError(f"--fill must be in (0, 1); got {args.fill}")
+        forms = _forms(args)
+        if forms and any(f != "dense" for f in forms) and cfg.quant.mode == "none":
+            raise UsageError("--forms block, split and kernels run NF4 kernels: quant.mode "
+                             "must not be none")
     if args.mode == "engine" and args.profile:
         raise UsageError("--profile traces jaxrl bench sample and step, not engine")
     if args.mode == "sample" and cfg.sampling.max_new_tokens < 2:
@@ -153,15 +279,25 @@ def _bench(args) -> int:
     cfg = run_config(args)
     _check(args, cfg)
     prompt_tokens = args.prompt_tokens or cfg.data.max_prompt_tokens
-    subject = load_subject(cfg, log=lambda m: print(m, file=sys.stderr))
     device = jax.devices()[0]
     peaks = device_peaks(device)
     info = {"mode": args.mode, "device_kind": device.device_kind, "platform": device.platform,
             "devices": jax.device_count(), "jax": jax.__version__, "jaxrl": __version__,
-            "config_hash": config_hash(cfg), "model": cfg.model.path, "weights": subject.weights,
+            "config_hash": config_hash(cfg), "model": cfg.model.path,
             "quant": cfg.quant.mode, "dequantize": cfg.quant.dequantize,
             "lora_rank": cfg.lora.rank, "dtype": cfg.model.dtype,
             "peaks": None if peaks is None else vars(peaks)}
+    overrides = numerics_overrides(args.numerics)
+    if overrides:
+        info["numerics_overrides"] = overrides
+    if args.mode == "decode":
+        return _finish(args, info, _decode(args, cfg, info, peaks))
+    subject = load_subject(cfg, log=lambda m: print(m, file=sys.stderr))
+    if overrides:
+        import dataclasses
+
+        subject.numerics = dataclasses.replace(subject.numerics, **overrides)
+    info["weights"] = subject.weights
     print(_header(info, subject.spec))
     if args.mode == "sample":
         rows = [runs.sample_batch(subject, b, prompt_tokens, args.repeats, peaks, args.group,
@@ -173,6 +309,11 @@ def _bench(args) -> int:
     else:
         mean = args.mean_new_tokens or max(1.0, cfg.sampling.max_new_tokens / 4)
         rows = runs.engine(subject, args.requests, mean, prompt_tokens, args.static)
+    return _finish(args, info, rows)
+
+
+def _finish(args, info: dict, rows: list[dict]) -> int:
+    """Prints the table (and profiles), appends the JSON lines; 1 if a decode row failed."""
     print(TABLES[args.mode](rows))
     if args.profile:
         _print_profiles(args, rows)
@@ -180,13 +321,89 @@ def _bench(args) -> int:
         when = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         with open(args.out, "a", encoding="utf-8") as f:
             for row in rows:
-                f.write(json.dumps({**info, "time": when, **row}) + "\n")
-    return 0
+                f.write(json.dumps({**info, "time": when, **row}, default=str) + "\n")
+    failed = [r for r in rows if str(r.get("status", "ok")).startswith("failed")]
+    if failed:
+        print(f"jaxrl bench decode: {len(failed)} of {len(rows)} rows failed", file=sys.stderr)
+    return 1 if failed else 0
 
 
-def _profile_dir(args, batch: int) -> Path:
-    """Where the traced call of a result goes: --profile/batch-B (sample) or --profile/step."""
-    return Path(args.profile) / (f"batch-{batch}" if args.mode == "sample" else "step")
+def _decode(args, cfg, info: dict, peaks) -> list[dict]:
+    """`jaxrl bench decode`: the forms' params loaded (random or a checkpoint's, as
+    `load_subject` loads them), then `jaxrl.bench.lowered.time_forms`."""
+    import dataclasses
+
+    import jax
+
+    from jaxrl.backends.numerics import numerics_of
+    from jaxrl.bench import lowered
+    from jaxrl.bench.subject import is_checkpoint
+    from jaxrl.devices import device_memory
+    from jaxrl.hf.loader import load_model
+    from jaxrl.hf.peft_io import start_lora
+
+    log = functools.partial(print, file=sys.stderr)
+    overrides = numerics_overrides(args.numerics)
+    base = numerics_of(None)
+    names = _forms(args)
+    key = jax.random.PRNGKey(cfg.run.seed)
+    checkpoint = is_checkpoint(cfg.model.path)
+    weights = "checkpoint" if checkpoint else "random"
+    info["weights"] = (f"checkpoint {cfg.model.path}" if checkpoint
+                       else f"random weights (architecture of {cfg.model.path})")
+    params = {}
+
+    def load(quant):
+        return load_model(cfg.model.path, dtype=cfg.model.dtype, quant=quant, numerics=base,
+                          weights=weights, key=key, log=log)
+
+    if names is None:  # the run's layout and the platform's numerics
+        model = load(cfg.quant)
+        quantized = cfg.quant.mode != "none" and base.dequantize_strategy(cfg.quant) != "once"
+        form = lowered.Form("platform", dataclasses.replace(base, **overrides),
+                            "nf4" if quantized else "dense")
+        forms, params[form.quant] = [form], model.params
+    else:
+        forms = lowered.decode_forms(base, names, overrides)
+        for quant in {f.quant for f in forms}:
+            strategy = "per_layer" if quant == "nf4" else "once"
+            model = load(dataclasses.replace(cfg.quant, dequantize=strategy)
+                         if cfg.quant.mode != "none" else None)
+            params[quant] = model.params
+        left_out = [n for n in names if n not in {f.name for f in forms}]
+        if left_out:
+            log(f"forms left out (this tree's numerics has no such fields): {left_out}")
+    spec = model.spec
+    print(_header(info, spec))
+    lora = start_lora(cfg.lora, spec, jax.random.fold_in(key, 1 << 20))
+    capacity = device_memory(jax.local_devices()[:1])[0]
+
+    def command(batch, columns, form):
+        parts = ["jaxrl bench decode", f"--batches {batch}", f"--capacities {columns}",
+                 f"--fill {args.fill}", f"--steps {args.steps}"]
+        parts += [f"--forms {form}"] if names is not None else []
+        parts += [f"--config {args.config}"] if args.config else []
+        parts += [f"--numerics {n}" for n in args.numerics]
+        return " ".join(parts + list(args.overrides))
+
+    def trace(batch, columns, form):
+        return lowered.traced_into(Path(args.profile) / f"b{batch}-c{columns}-{form}")
+
+    return lowered.time_forms(
+        spec, forms, params, lora, batches=_batches(args, cfg),
+        capacities=_capacities(args, cfg), fill=args.fill, steps=args.steps,
+        repeats=args.repeats, seed=cfg.run.seed, device_memory=capacity, peaks=peaks,
+        structure_counts=args.structure, trace=trace if args.profile else None,
+        command=command, log=log)
+
+
+def _profile_dir(args, row: dict) -> Path:
+    """Where the traced call of a result goes: --profile/batch-B (sample), --profile/step, or
+    --profile/bB-cC-FORM (decode)."""
+    if args.mode == "decode":
+        return Path(args.profile) / f"b{row['batch']}-c{row['capacity']}-{row['form']}"
+    return Path(args.profile) / (f"batch-{row.get('batch', 0)}" if args.mode == "sample"
+                                 else "step")
 
 
 def _trace(args, batch: int = 0):
@@ -195,7 +412,7 @@ def _trace(args, batch: int = 0):
         return contextlib.nullcontext
     from jaxrl.bench.profile import traced
 
-    return functools.partial(traced, _profile_dir(args, batch))
+    return functools.partial(traced, _profile_dir(args, {"batch": batch}))
 
 
 def _print_profiles(args, rows: list[dict]) -> None:
@@ -203,9 +420,17 @@ def _print_profiles(args, rows: list[dict]) -> None:
     from jaxrl.bench.profile import op_table, op_times
 
     for row in rows:
-        directory = _profile_dir(args, row.get("batch", 0))
-        row["profile"] = {"dir": str(directory), "ops": op_times(directory)}
+        if args.mode == "decode" and "profile" not in row:
+            continue  # not run: skipped or failed
+        directory = _profile_dir(args, row)
+        row["profile"] = {**row.get("profile", {}), "dir": str(directory),
+                          "ops": op_times(directory)}
         print(f"\ndevice time of the traced call ({directory}):")
+        if args.mode == "decode":
+            p = row["profile"]
+            print(f"{p.get('events', 0)} device events, "
+                  f"{p.get('per_layer_step', 0):.1f} per layer and step, idle "
+                  f"{100 * p.get('idle_share', 0):.1f}% of the call's span")
         print(op_table(row["profile"]["ops"]))
 
 
@@ -267,6 +492,25 @@ def step_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def decode_table(rows: list[dict]) -> str:
+    lines = ["| form | batch | capacity | filled | compile (s) | ms/step | tok/s | "
+             "GB moved/step | GB/s | of peak BW | per layer: dots / custom calls / launches |",
+             "| --- " + "| ---: " * 9 + "| --- |"]
+    for r in rows:
+        ok = r.get("status") == "ok"
+        layer = ((r.get("structure") or {}).get("layer") or {})
+        compiled = (((r.get("structure") or {}).get("compiled") or {}).get("layer") or {})
+        shape = "-" if not layer else (f"{layer['dots']} / {sum(layer['custom_calls'].values())}"
+                                       f" / {compiled.get('launches', '-')}")
+        figures = (f"{r['step_ms']:.3f} | {r['tok_s']:.1f} | {r['bytes']['total'] / 1e9:.4f} | "
+                   f"{r['bandwidth'] / 1e9:.1f} | {_share(r['bandwidth_share'])}" if ok
+                   else f"{r.get('status', '')} | - | - | - | -")
+        compile_s = f"{r['compile_s']:.1f}" if "compile_s" in r else "-"
+        lines.append(f"| {r['form']} | {r['batch']} | {r['capacity']} | {r['filled']} | "
+                     f"{compile_s} | {figures} | {shape} |")
+    return "\n".join(lines)
+
+
 def engine_table(rows: list[dict]) -> str:
     lines = ["| batching | requests | slots | useful tokens | first pass (s, compiles) | "
              "wall (s) | useful tok/s | utilization |", "| --- " + "| ---: " * 7 + "|"]
@@ -277,4 +521,5 @@ def engine_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-TABLES = {"sample": sample_table, "step": step_table, "engine": engine_table}
+TABLES = {"sample": sample_table, "step": step_table, "engine": engine_table,
+          "decode": decode_table}

@@ -3,9 +3,12 @@ params and tokenizer from `load_model`, with the params in the layout a run hold
 
 Layout. Linear kernels are quantized while loading when `quant.mode` is nf4 or int4 (those not
 in `quant.skip`). The numerics' `dequantize_strategy` of `quant` then says whether they stay
-packed, dequantized one layer at a time inside the layer loop, or are dequantized once here (the
-CPU's choice under auto, where XLA's per-step dequantization costs more than the memory it
-saves). The params come back held as `numerics.hold` holds them (on the CPU the stacked
+packed, dequantized one layer at a time inside the layer loop, or are dequantized once here.
+Under auto the CPU dequantizes once (XLA's per-step dequantization costs more than the memory
+it saves); a GPU or TPU dequantizes once when the run fits the device's memory with dense
+kernels (`dense_fit`: the planner's memory plan, `jaxrl.planner.dense_fit`), keeps NF4
+otherwise and where that is not asked, and the choice is logged in one line with its figures.
+The params come back held as `numerics.hold` holds them (on the CPU the stacked
 bfloat16 layer weights as their bits) and, given mesh rules, laid out by
 `jaxrl.sharding.param_shardings`, each process reading every tensor but transferring only the
 slices its devices hold (`jaxrl.distributed.load_params`).
@@ -67,21 +70,24 @@ def architecture(path: str) -> ModelSpec:
 def load_model(source: str | Path | ModelSpec, *, dtype, quant: QuantConfig | None,
                numerics: Numerics, rules: MeshRules | None = None,
                weights: str = "checkpoint", key: jax.Array | None = None,
-               log: Callable[[str], None] = lambda message: None) -> Model:
+               log: Callable[[str], None] = lambda message: None,
+               dense_fit: Callable[[ModelSpec], Any] | None = None) -> Model:
     """The model of `source` in `dtype` (a name or a dtype), its linear kernels quantized per
     `quant` (None: dense) and packed or dequantized once per `numerics.dequantize_strategy`,
     held for `numerics` and laid out on `rules`' mesh (None: plain arrays on the default
     device), as the module docstring says. weights: one of WEIGHTS; "checkpoint" takes a model
     path and loads its tokenizer too (`log` says what is loaded), "abstract" and "random" take
-    a ModelSpec or a path naming an architecture, "random" draws from `key`."""
+    a ModelSpec or a path naming an architecture, "random" draws from `key`. dense_fit(spec):
+    for quant.dequantize auto, whether the run fits the device's memory with dense kernels (a
+    `jaxrl.planner.DenseFit`), asked only where the choice turns on memory; None: not asked."""
     if weights not in WEIGHTS:
         raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}; got {weights!r}")
     dtype = jnp.dtype(dtype)
     quantized = quant is not None and quant.mode != "none"
-    once = quantized and numerics.dequantize_strategy(quant) == "once"
     if weights == "checkpoint":
         model_dir = resolve_model_path(str(source))
         spec = load_spec(model_dir)
+        once = quantized and _dequantize(spec, quant, numerics, dense_fit, log) == "once"
         log(f"loading {model_dir} ({spec.family}, {spec.num_layers} layers) as "
             f"{quant.mode if quantized else 'none'}")
         params = distributed.load_params(model_dir, spec, dtype, quant, rules)
@@ -89,12 +95,30 @@ def load_model(source: str | Path | ModelSpec, *, dtype, quant: QuantConfig | No
             params = distributed.dequantized(params, dtype, spec, rules)
         return Model(spec, numerics.hold(params), model_dir, load_tokenizer(model_dir))
     spec = source if isinstance(source, ModelSpec) else architecture(str(source))
+    once = quantized and _dequantize(spec, quant, numerics, dense_fit, log) == "once"
     params = abstract_quantized_params(spec, None if once else quant, dtype)
     if rules is not None:
         params = abstract(params, param_shardings(rules, params, spec))
     if weights == "random":
         params = _random_params(params, key, placed=rules is not None)
     return Model(spec, numerics.hold(params))
+
+
+def _dequantize(spec: ModelSpec, quant: QuantConfig, numerics: Numerics,
+                dense_fit: Callable[[ModelSpec], Any] | None,
+                log: Callable[[str], None]) -> str:
+    """numerics.dequantize_strategy of quant, asking dense_fit(spec) where it needs to, and
+    logging that choice in one line with its figures."""
+    asked = []
+
+    def fits() -> bool | None:
+        asked.append(dense_fit(spec))
+        return asked[-1].fits
+
+    strategy = numerics.dequantize_strategy(quant, None if dense_fit is None else fits)
+    if asked:
+        log(f"quant.dequantize auto: {strategy} ({asked[-1].describe()})")
+    return strategy
 
 
 def _random_params(params, key: jax.Array, placed: bool):

@@ -16,6 +16,8 @@ from jaxrl.model.families import ModelSpec
 
 # Finite, so a row whose keys are all masked (a pad token) gives a uniform softmax, not NaN.
 _MASKED = -1e30
+# The log-sum-exp of an attention part without columns: finite, so merging never forms inf - inf.
+EMPTY_LSE = -1e30
 # Calls with more queries than this (the GRPO step's full sequences) attend one block of queries
 # at a time, so one block's float32 scores [B, K, C*G, S] exist at once rather than all T rows'
 # (heads x 8,192 x 8,192 x 4 bytes per row at an 8,192-token context, several copies in the
@@ -157,3 +159,45 @@ def _attend(q: jax.Array, parts, mask: jax.Array) -> jax.Array:
                                          preferred_element_type=jnp.float32), share)
     out = out.reshape(b, kv, t, g, d).transpose(0, 2, 1, 3, 4)  # [B, T, K, G, D]
     return out.reshape(b, t, h * d).astype(q.dtype)
+
+
+def merge(parts) -> tuple[jax.Array, jax.Array]:
+    """The attention over the union of consecutive key ranges from each range's (out, lse):
+    lse = logaddexp of the parts' lse, out = sum_i exp(lse_i - lse) * out_i, in float32.
+    out [..., D] and lse [...] as `decode_attention` returns them; a part without columns
+    (lse `EMPTY_LSE`) adds nothing."""
+    parts = list(parts)
+    if not parts:
+        raise ValueError("merge needs at least one part")
+    lses = [jnp.asarray(lse, jnp.float32) for _, lse in parts]
+    lse = functools.reduce(jnp.logaddexp, lses)
+    out = sum(jnp.exp(part_lse - lse)[..., None] * jnp.asarray(part_out, jnp.float32)
+              for (part_out, _), part_lse in zip(parts, lses))
+    return out, lse
+
+
+def attend_filled(q: jax.Array, k: jax.Array, v: jax.Array, kernel, cache, prefix=None):
+    """A decode step's attention (one query per row) over filled cache columns only: q [B, 1,
+    H, D], k and v [B, 1, K, D] the step's own key and value; cache (k_stack, v_stack, layer,
+    lengths [B]): keys and values [L, B, K, C, D] of which `kernel` reads layer `layer`'s
+    columns [0, lengths[b]) of row b; prefix: (k_stack, v_stack, layer, lengths [B / R]) of a
+    prompt [L, B / R, K, P, D] that blocks of R consecutive rows share, or None. The parts are
+    merged by their log-sum-exps (`merge`). `kernel(q [N, K, M, D], k_stack, v_stack,
+    layer, lengths [N]) -> (out [N, K, M, D], lse [N, K, M])` float32, as
+    `jaxrl.backends.attention_gpu.decode_attention`. Returns [B, 1, H*D] in q's dtype, what
+    `attend` returns for these keys unmasked up to each row's fill."""
+    b, _, h, d = q.shape
+    kv = k.shape[2]
+    g = h // kv
+    q4 = q.reshape(b, kv, g, d)  # heads are kv-major: head kv*G + g
+    parts = []
+    if prefix is not None:
+        share = b // prefix[3].shape[0]
+        out, lse = kernel(_blocks(q4, share), *prefix)  # the block's R*G rows at once
+        parts.append((_unblocks(out, share), _unblocks(lse[..., None], share)[..., 0]))
+    parts.append(kernel(q4, *cache))
+    own = jnp.einsum("bkgd,bkd->bkg", q4, k[:, 0], preferred_element_type=jnp.float32)
+    parts.append((jnp.broadcast_to(v[:, 0, :, None].astype(jnp.float32), (b, kv, g, d)),
+                  own * (d ** -0.5)))
+    out, _ = merge(parts)
+    return out.reshape(b, 1, h * d).astype(q.dtype)

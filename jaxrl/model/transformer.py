@@ -18,13 +18,13 @@ from typing import Any, Protocol
 import jax
 import jax.numpy as jnp
 
-from jaxrl.backends.numerics import REFERENCE, Numerics, dense_tree
+from jaxrl.backends.numerics import REFERENCE, AtLayer, Numerics, dense_tree
 from jaxrl.lora.lora import Lora, lora_delta
-from jaxrl.model.attention import apply_rope, attend, rope_tables
+from jaxrl.model.attention import apply_rope, attend, attend_filled, rope_tables
 from jaxrl.model.families import ModelSpec
 from jaxrl.model.kv_cache import KVCache, write_tokens
 from jaxrl.model.params import LINEAR_NAMES
-from jaxrl.quant.nf4 import as_dense
+from jaxrl.quant.nf4 import QTensor, as_dense
 
 Params = dict[str, Any]
 
@@ -73,18 +73,47 @@ def linear(x: jax.Array, p: Params, numerics: Numerics = REFERENCE) -> jax.Array
     return y.astype(x.dtype)
 
 
-def projector(lp: Params, ll: Params | None, lora: Lora | None, rng: jax.Array | None,
-              numerics: Numerics = REFERENCE):
+class projector:
     """proj(name, x): layer linear `name` applied to x, plus its adapter when it has one; the
     result is named "projection" (the one array remat dots saves of it, as `Numerics.save`
-    saves it)."""
-    def proj(name: str, x: jax.Array) -> jax.Array:
-        y = linear(x, lp[name], numerics)
-        if ll is not None and name in ll:
-            key = None if rng is None else jax.random.fold_in(rng, LINEAR_NAMES.index(name))
-            y = y + lora_delta(x, ll[name], lora.scale, lora.dropout, key)
+    saves it). proj.swiglu(x): swiglu of the gate and up projections of x. Where the numerics
+    runs a linear as one kernel with its LoRA term in the epilogue (`Numerics.fuses`: NF4
+    layers read in place), the projection and, for gate and up, SwiGLU are that kernel's."""
+
+    def __init__(self, lp: Params, ll: Params | None, lora: Lora | None,
+                 rng: jax.Array | None, numerics: Numerics = REFERENCE):
+        self.lp, self.ll, self.lora, self.rng, self.numerics = lp, ll, lora, rng, numerics
+
+    def _adapter(self, name: str):
+        return None if self.ll is None else self.ll.get(name)
+
+    def _fused(self, name: str, x: jax.Array) -> bool:
+        dropout = self.lora is not None and self.lora.dropout > 0 and self.rng is not None
+        return (not dropout and "bias" not in self.lp[name]
+                and self.numerics.fuses(self.lp[name]["kernel"], x.shape[-2]))
+
+    def _scale(self) -> float:
+        return 1.0 if self.lora is None else self.lora.scale
+
+    def __call__(self, name: str, x: jax.Array) -> jax.Array:
+        numerics, ad = self.numerics, self._adapter(name)
+        if self._fused(name, x):
+            y = numerics.nf4_linear(x, self.lp[name]["kernel"], ad, scale=self._scale())
+        else:
+            y = linear(x, self.lp[name], numerics)
+            if ad is not None:
+                key = (None if self.rng is None
+                       else jax.random.fold_in(self.rng, LINEAR_NAMES.index(name)))
+                y = y + lora_delta(x, ad, self.lora.scale, self.lora.dropout, key)
         return numerics.save(y, "projection")
-    return proj
+
+    def swiglu(self, x: jax.Array) -> jax.Array:
+        if self._fused("gate_proj", x) and self._fused("up_proj", x):
+            return self.numerics.nf4_linear(
+                x, self.lp["gate_proj"]["kernel"], self._adapter("gate_proj"),
+                scale=self._scale(), up=self.lp["up_proj"]["kernel"],
+                up_adapter=self._adapter("up_proj"))
+        return swiglu(self("gate_proj", x), self("up_proj", x))
 
 
 def attention_mask(attn_mask: jax.Array, t: int, start: jax.Array) -> jax.Array:
@@ -115,7 +144,7 @@ def decoder_layer(h: jax.Array, lp: Params, proj, rope, spec: ModelSpec, attenti
     out, kv = attention(*_qkv(x, proj, lp, rope, spec))
     h = h + proj("o_proj", out)
     x = rms_norm(h, lp["post_attention_layernorm"]["scale"], spec.rms_norm_eps)
-    return h + proj("down_proj", swiglu(proj("gate_proj", x), proj("up_proj", x))), kv
+    return h + proj("down_proj", proj.swiglu(x)), kv
 
 
 def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
@@ -149,6 +178,19 @@ def _cached_attention(mask: jax.Array, cache: tuple[jax.Array, jax.Array] | None
     return attention
 
 
+def _filled_attention(kernel, kv: AtLayer, index: jax.Array, prefix_index: jax.Array | None):
+    """`_cached_attention` of a decode step (one token per row, every cache column valid)
+    through `kernel`, which reads only the filled columns of the layer kv.layer of the stacked
+    caches kv.stack (keys, values[, the prefix's keys, values]): row b's [0, index[b]), and its
+    block's prefix columns [0, prefix_index[b / R])."""
+    def attention(q, k, v):
+        cache, stack = (kv.stack[0], kv.stack[1], kv.layer), kv.stack
+        prefix = None if prefix_index is None else (stack[2], stack[3], kv.layer, prefix_index)
+        out = attend_filled(q, k, v, kernel, (*cache, index), prefix)
+        return out, (k, v)
+    return attention
+
+
 def cached_mask(attn_mask: jax.Array, t: int, start: jax.Array) -> jax.Array:
     """[B, T, S + T]: query t of row b (start [B]: the slots its row has filled) sees the valid
     cache slots s < start[b] and its call's tokens up to itself; attn_mask [B, S] marks valid
@@ -174,21 +216,39 @@ def _scan_layers(params: Params, lora: Lora | None, carry, xs, layer_fn, *, spec
     projector proj (`projector`: linears plus adapters, LoRA dropout keyed by rng) and its
     slice x of xs (a pytree with a leading [L] axis, or None); each layer's weights are laid
     out by `layout` (None: left as they are). remat: a key of REMAT_POLICIES. Returns (carry,
-    the outs stacked [L, ...])."""
+    the outs stacked [L, ...]).
+
+    Where the numerics' kernels read layers in place (`Numerics.in_place_layers`), the loop
+    runs over the layer index instead: lp's NF4 kernels and x are `AtLayer`s of the whole
+    stacks (the kernels index them; an XLA form slices them), the other weights are sliced."""
     use_dropout = lora is not None and lora.dropout > 0 and rng is not None
     keys = jax.random.split(rng, spec.num_layers) if use_dropout else None
+    layers = numerics.hold(params)["layers"]
+    in_place = numerics.in_place_layers
 
     def layer(carry, scanned):
         lp, ll, key, x = scanned
+        if in_place:  # lp is the layer index
+            lp, x = _at_layer(layers, lp), None if xs is None else AtLayer(xs, lp)
         lp, ll = dense_tree(lp), dense_tree(ll)
-        if layout is not None:
+        if layout is not None and not in_place:  # in place: kernels run on one device
             lp, ll = layout.constrain_layer(lp, ll, spec)
         return layer_fn(carry, lp, projector(lp, ll, lora, key, numerics), x)
 
     policy = REMAT_POLICIES[remat]
     body = layer if policy is None else jax.checkpoint(layer, policy=policy)
     ll = None if lora is None else lora.weights["layers"]
-    return jax.lax.scan(body, carry, (numerics.hold(params)["layers"], ll, keys, xs))
+    if in_place:
+        return jax.lax.scan(body, carry, (jnp.arange(spec.num_layers), ll, keys, None))
+    return jax.lax.scan(body, carry, (layers, ll, keys, xs))
+
+
+def _at_layer(layers: Params, i: jax.Array) -> Params:
+    """Layer i of the stacked weights: NF4 kernels as `AtLayer`s of their stacks, every other
+    leaf sliced."""
+    def pick(a):
+        return AtLayer(a, i) if isinstance(a, QTensor) else AtLayer(a, i).get()
+    return jax.tree_util.tree_map(pick, layers, is_leaf=lambda a: isinstance(a, QTensor))
 
 
 def hidden_states(params: Params, tokens: jax.Array, positions: jax.Array, spec: ModelSpec, *,
@@ -217,6 +277,9 @@ def hidden_states(params: Params, tokens: jax.Array, positions: jax.Array, spec:
     (`jaxrl.backends.numerics`).
     """
     b, t = tokens.shape
+    kernel = None  # attention over each row's filled columns, read in place
+    if cache is not None and t == 1 and attn_mask is None:
+        kernel = numerics.filled_attention()
     if attn_mask is None:
         attn_mask = jnp.ones((b, t if cache is None else cache.max_len), bool)
     if cache is None:
@@ -233,8 +296,13 @@ def hidden_states(params: Params, tokens: jax.Array, positions: jax.Array, spec:
     h = _rows(many, numerics.embed(params["embed_tokens"]["embedding"], tokens))  # [B, T, E]
 
     def layer(h, lp, proj, kv):
-        attention = (_attention(mask) if kv is None
-                     else _cached_attention(mask, kv[:2], prefix=kv[2:] or None))
+        if kernel is not None:
+            attention = _filled_attention(kernel, kv, jnp.minimum(cache.index, cache.max_len),
+                                          None if prefix is None else prefix.index)
+        else:
+            kv = kv.get() if isinstance(kv, AtLayer) else kv
+            attention = (_attention(mask) if kv is None
+                         else _cached_attention(mask, kv[:2], prefix=kv[2:] or None))
         return decoder_layer(_rows(many, h), lp, proj, rope, spec, attention)
 
     kv = None if cache is None else (cache.k, cache.v)

@@ -118,8 +118,12 @@ class Session:
     def __init__(self, cfg: Config, log: Callable[[str], None] = print):
         self.cfg, self.log = cfg, log
         self.rules = distributed.session_rules(cfg.mesh)  # None: one device
+        from jaxrl.planner import dense_fit  # the planner builds on this module
+
+        # quant.dequantize auto, where memory decides it: dense kernels when the run fits
         model = load_model(cfg.model.path, dtype=cfg.model.dtype, quant=cfg.quant,
-                           numerics=numerics_of(self.rules), rules=self.rules, log=log)
+                           numerics=numerics_of(self.rules), rules=self.rules, log=log,
+                           dense_fit=lambda spec: dense_fit(cfg, spec, self.rules))
         self.spec, self.tokenizer, self.params = model.spec, model.tokenizer, model.params
         self.eos_ids = eos_token_ids(self.tokenizer, model.path)
         self.detokenize = detokenizer(self.tokenizer)

@@ -12,6 +12,14 @@ Several processes: each process queues its own requests and fills its own slots 
 the slot axis that its devices hold; processes whose devices share a batch shard hold the same
 slots and queue the same requests); the bucket sizes and whether to admit are agreed with
 `distributed.host_max`, so every process runs the same programs in the same order.
+
+Features: each program call takes static `Features` (jaxrl/sampling/sampling_fns.py) that
+cover the requests decoding in the slots and those the call fills or continues, united over
+the processes, so the device decides nothing the host knows. Where features the engine already
+ran that program with cover them, it takes the fewest of those; otherwise the exact ones. So a
+run whose requests share one setting (a GRPO rollout) runs one features value, and a server
+with mixed settings a new one only when none it ran covers the requests in its slots, rather
+than one for every combination of settings its slots pass through.
 """
 from __future__ import annotations
 
@@ -29,7 +37,7 @@ from jaxrl.model.transformer import Params
 from jaxrl.sampling.buckets import bucket
 from jaxrl.sampling.programs import Chunk, admit, extend, generate, init_slots
 from jaxrl.sampling.requests import EngineStats, Request
-from jaxrl.sampling.sampling_fns import Decoding, RowSettings
+from jaxrl.sampling.sampling_fns import Decoding, Features, RowSettings
 from jaxrl.sharding import MeshRules
 
 
@@ -75,6 +83,7 @@ class Engine:
         self._continuations: deque[Request] = deque()
         self._active: dict[int, Request] = {}
         self._held: dict[int, Request] = {}  # slot -> the finished request holding it
+        self._used: dict[str, set[Features]] = {}  # program -> the features it ran with
         self.stats = EngineStats()
 
     def submit(self, request: Request) -> Request:
@@ -157,7 +166,8 @@ class Engine:
         if distributed.host_max(len(self._active)):
             self.state, chunk = generate(self.state, self.params, self.lora, spec=self.spec,
                                          eos_ids=self.eos_ids, steps=self.chunk,
-                                         shardings=self.shardings, numerics=self.numerics)
+                                         shardings=self.shardings, numerics=self.numerics,
+                                         features=self._features("generate"))
             chunk, live = self._local((chunk, self.state.live))
             self.stats.chunks += 1
             self.stats.steps += int(chunk.emitted.any(axis=0).sum())
@@ -169,6 +179,23 @@ class Engine:
         """Step until every queued request has finished."""
         while self.step():
             pass
+
+    def _features(self, program: str, new: Sequence[Request] = ()) -> Features:
+        """The features `program` runs with: those that cover the requests decoding in the
+        slots and `new`, united over the processes (every process calls it), or, where this
+        engine already ran `program` with features that cover those, the fewest of them, so
+        that settings coming and going compile no program for each combination."""
+        local = Features.of([r.decoding for r in (*self._active.values(), *new)])
+        bits = 0
+        for b in distributed.gather_json(local.bits()):
+            bits |= int(b)
+        need = Features.from_bits(bits)
+        used = self._used.setdefault(program, set())
+        covering = [f for f in used if f.bits() & bits == bits]
+        chosen = min(covering, key=lambda f: (bin(f.bits()).count("1"), f.bits()),
+                     default=need)
+        used.add(chosen)
+        return chosen
 
     def _local(self, tree):
         """This process's rows of device outputs split by rows, as numpy."""
@@ -219,7 +246,8 @@ class Engine:
         self.state, picked, done = admit(
             self.state, self.params, self.lora, prompts, lengths, rows["src"], rows["dst"],
             rows["keys"], rows["settings"], rows["budget"], spec=self.spec,
-            eos_ids=self.eos_ids, shardings=self.shardings, numerics=self.numerics)
+            eos_ids=self.eos_ids, shardings=self.shardings, numerics=self.numerics,
+            features=self._features("admit", take))
         p, done = self._local((picked, done))
         self.stats.prefills += len(distinct)
         self.stats.admitted += n
@@ -268,7 +296,8 @@ class Engine:
             data = distributed.rows_to_global(self.shardings, data)
         self.state, picked, done = extend(self.state, self.params, self.lora, *data,
                                           spec=self.spec, eos_ids=self.eos_ids,
-                                          shardings=self.shardings, numerics=self.numerics)
+                                          shardings=self.shardings, numerics=self.numerics,
+                                          features=self._features("extend", take))
         picked, done = self._local((picked, done))
         self.stats.continued += len(take)
         for request in take:

@@ -23,21 +23,30 @@ decode step's attention reads it once for the block: the R rows' queries form on
 against it. Requests in blocks are admitted and freed a block at a time and cannot be held
 for continuations.
 
-Programs (jitted; static: the model spec, EOS ids, mesh, numerics and the shapes):
+Programs (jitted; static: the model spec, EOS ids, mesh, numerics, the sampling features and
+the shapes):
   admit     prefill U distinct prompts once (right-padded to P), copy row src[m]'s P cache
             columns into slot dst[m] for each of M new slots (the G completions of a prompt
             share one prefill; with blocks, into the block's prefix cache once), and draw each
             new slot's first token. Padding entries name slot S and are dropped.
-  generate  advance every live slot by up to N tokens (stopping early once no slot is live)
-            and return the new tokens, their log-probs and which were emitted [S, N].
+  generate  advance every live slot by up to N tokens and return the new tokens, their
+            log-probs and which were emitted [S, N]. With `Numerics.fixed_chunk` (GPU, TPU)
+            the chunk is N steps, always: a slot that is not live changes nothing and emits
+            nothing, so no step waits on the host to learn whether to go on; otherwise (CPU)
+            it stops early once no slot is live.
   extend    continue conversations held in their slots (jaxrl/sampling/requests.py): rewind
             each such slot's cache to its kept tokens, append up to A tokens [S, A] there in one
             pass over every slot (those not continued are left as they were), and draw each
             continued slot's first new token under its new key, settings and budget.
-Settings, keys, budgets and prompt lengths are data, so changing them never compiles a
-program; S, C and N are fixed per engine, and U, M, P and A are rounded up to powers of two,
-so the programs number at most one `generate`, one `admit` per (U, M, P) bucket and one
-`extend` per A bucket.
+Settings, keys, budgets and prompt lengths are data; which parts of the token choice a program
+holds (greedy choice, draws, each filter, the penalties, top log-probs) is static, the
+`Features` the host computes from the settings of the slots it fills and holds
+(`jaxrl.sampling.sampling_fns.Features`), so new settings compile a program only where they
+need a part the programs compiled so far leave out. S, C and N are fixed per engine, and U, M,
+P and A are rounded up to powers of two, so the programs number at most one `generate` per
+features value, one `admit` per (U, M, P) bucket and features value and one `extend` per A
+bucket and features value; a run whose rows share one setting (a GRPO rollout) compiles one
+features value.
 
 Both programs run the model's `lax.scan` over the stacked layers (`hidden_states`), the loop
 training runs, with NF4 kernels dequantized one layer at a time inside it; the scan reads each
@@ -60,8 +69,8 @@ from jaxrl.lora.lora import Lora
 from jaxrl.model.families import ModelSpec
 from jaxrl.model.kv_cache import KVCache, init_cache
 from jaxrl.model.transformer import Params, hidden_states, lm_logits
-from jaxrl.sampling.sampling_fns import (MAX_TOP_LOGPROBS, Decoding, History, RowSettings,
-                                         next_token)
+from jaxrl.sampling.sampling_fns import (ALL, MAX_TOP_LOGPROBS, Decoding, Features, History,
+                                         RowSettings, next_token)
 from jaxrl.sharding import (MeshRules, cache_shardings, constrain, head_logits, head_rules,
                             lora_shardings, param_shardings, row_shardings,
                             vocab_top_k)
@@ -186,18 +195,18 @@ def _fold(keys: jax.Array, t: jax.Array) -> jax.Array:
 
 
 @functools.partial(jax.jit, donate_argnums=0,
-                   static_argnames=("spec", "eos_ids", "shardings", "numerics"))
+                   static_argnames=("spec", "eos_ids", "shardings", "numerics", "features"))
 def admit(state: Slots, params: Params, lora: Lora | None, prompts: jax.Array,
           lengths: jax.Array, src: jax.Array, dst: jax.Array, keys: jax.Array,
           settings: RowSettings, budget: jax.Array, *, spec: ModelSpec,
           eos_ids: tuple[int, ...], shardings: MeshRules | None = None,
-          numerics: Numerics = REFERENCE):
+          numerics: Numerics = REFERENCE, features: Features = ALL):
     """Prefill prompts [U, P] (right-padded; lengths [U]) and fill slots dst [M] from rows
     src [M] with keys [M, 2], settings [M] and budgets [M] (module docstring). With blocks of
     R slots sharing a prompt (state.prefix), M is a multiple of R and each R consecutive
-    entries fill one block's slots in order from one row. Returns the new state and, per new
-    slot [M], its first token with its log-probs (`Picked`) and whether the slot is already
-    done."""
+    entries fill one block's slots in order from one row. features must cover the settings of
+    the slots filled (`Features.covers`). Returns the new state and, per new slot [M], its
+    first token with its log-probs (`Picked`) and whether the slot is already done."""
     params, lora = _place(params, lora, spec, shardings, numerics)
     u, p = prompts.shape
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (u, p))
@@ -210,7 +219,7 @@ def admit(state: Slots, params: Params, lora: Lora | None, prompts: jax.Array,
     seen = jax.tree_util.tree_map(lambda a: a[src],
                                   History.of_prompts(prompts, lengths, spec.vocab_size))
     picked = next_token(_fold(keys, 0), logits, settings, seen,
-                        vocab_top_k(shardings, *logits.shape))
+                        vocab_top_k(shardings, *logits.shape), features)
     token = picked.token
     done = jnp.isin(token, jnp.asarray(eos_ids, jnp.int32)) | (budget <= 1)
     put = lambda a, x: a.at[dst].set(x, mode="drop")
@@ -236,39 +245,53 @@ def admit(state: Slots, params: Params, lora: Lora | None, prompts: jax.Array,
 
 # the decode program, jitted with the numerics' compiler options for it
 @functools.partial(Program, program="decode", donate_argnums=0,
-                   static_argnames=("spec", "eos_ids", "steps", "shardings", "numerics"))
+                   static_argnames=("spec", "eos_ids", "steps", "shardings", "numerics",
+                                    "features"))
 def generate(state: Slots, params: Params, lora: Lora | None, *, spec: ModelSpec,
              eos_ids: tuple[int, ...], steps: int, shardings: MeshRules | None = None,
-             numerics: Numerics = REFERENCE) -> tuple[Slots, Chunk]:
-    """Advance every live slot by up to `steps` tokens (module docstring)."""
+             numerics: Numerics = REFERENCE, features: Features = ALL) -> tuple[Slots, Chunk]:
+    """Advance every live slot by up to `steps` tokens (module docstring); features must cover
+    the settings of the live slots (`Features.covers`). The columns of a slot that is not live
+    at a step hold emitted False and zeros; with `numerics.fixed_chunk` the chunk runs all
+    `steps` steps with no data-dependent branch or loop and gives what the early-stopping
+    chunk gives (cache columns past a slot's filled ones aside, which nothing reads)."""
     params, lora = _place(params, lora, spec, shardings, numerics)
-    s, c = state.last.shape[0], state.cache.max_len
+    s = state.last.shape[0]
     eos = jnp.asarray(eos_ids, jnp.int32)
-    ones = jnp.ones((s, c), bool)
 
     top_k = vocab_top_k(shardings, s, spec.vocab_size)
     prompt = state.prefix  # a slot's own columns follow its block's prompt
     offset = 0 if prompt is None else jnp.repeat(prompt.index, s // prompt.index.shape[0])
 
-    def step(carry):
-        i, st, out = carry
+    def step(st: Slots) -> tuple[Slots, Chunk]:
+        """One decode step of every slot: the new state and the step's column [S] of each
+        Chunk field; a slot that is not live keeps its state and emits nothing."""
         index = st.cache.index
         h, cache = hidden_states(params, st.last[:, None], (index + offset)[:, None], spec,
-                                 attn_mask=ones, cache=st.cache, prefix=st.prefix, lora=lora,
+                                 cache=st.cache, prefix=st.prefix, lora=lora,
                                  shardings=shardings, numerics=numerics)
         logits = decode_logits(params, h[:, -1], spec, shardings, numerics)  # [S, V]
-        picked = next_token(_fold(st.keys, st.count), logits, st.settings, st.history, top_k)
+        picked = next_token(_fold(st.keys, st.count), logits, st.settings, st.history, top_k,
+                            features)
         token, live = picked.token, st.live
         done = jnp.isin(token, eos) | (st.count + 1 >= st.budget)
-        column = lambda a, x: a.at[:, i].set(x)
-        out = Chunk(tokens=column(out.tokens, jnp.where(live, token, 0)),
-                    logprobs=column(out.logprobs, jnp.where(live, picked.logprob, 0.0)),
-                    emitted=column(out.emitted, live),
-                    top_ids=column(out.top_ids, picked.top_ids),
-                    top_logprobs=column(out.top_logprobs, picked.top_logprobs))
+        column = Chunk(tokens=jnp.where(live, token, 0),
+                       logprobs=jnp.where(live, picked.logprob, 0.0), emitted=live,
+                       top_ids=jnp.where(live[:, None], picked.top_ids, 0),
+                       top_logprobs=jnp.where(live[:, None], picked.top_logprobs, 0.0))
         st = st.replace(cache=cache.replace(index=jnp.where(live, index + 1, index)),
                         last=jnp.where(live, token, st.last), live=live & ~done,
                         count=st.count + live, history=st.history.record(token, live))
+        return st, column
+
+    if numerics.fixed_chunk:  # N steps, each over live masks: nothing for the host to decide
+        state, columns = jax.lax.scan(lambda st, _: step(st), state, length=steps)
+        return state, jax.tree_util.tree_map(lambda a: jnp.moveaxis(a, 0, 1), columns)
+
+    def body(carry):
+        i, st, out = carry
+        st, column = step(st)
+        out = jax.tree_util.tree_map(lambda a, x: a.at[:, i].set(x), out, column)
         return i + 1, st, out
 
     k = min(MAX_TOP_LOGPROBS, spec.vocab_size)
@@ -277,7 +300,7 @@ def generate(state: Slots, params: Params, lora: Lora | None, *, spec: ModelSpec
                   emitted=jnp.zeros((s, steps), bool),
                   top_ids=jnp.zeros((s, steps, k), jnp.int32),
                   top_logprobs=jnp.zeros((s, steps, k), jnp.float32))
-    _, state, out = jax.lax.while_loop(lambda c: (c[0] < steps) & jnp.any(c[1].live), step,
+    _, state, out = jax.lax.while_loop(lambda c: (c[0] < steps) & jnp.any(c[1].live), body,
                                        (jnp.zeros((), jnp.int32), state, empty))
     return state, out
 
@@ -294,14 +317,15 @@ def _appended_history(history: History, tokens: jax.Array, count: jax.Array,
 
 
 @functools.partial(jax.jit, donate_argnums=0,
-                   static_argnames=("spec", "eos_ids", "shardings", "numerics"))
+                   static_argnames=("spec", "eos_ids", "shardings", "numerics", "features"))
 def extend(state: Slots, params: Params, lora: Lora | None, tokens: jax.Array, start: jax.Array,
            count: jax.Array, keys: jax.Array, settings: RowSettings, budget: jax.Array, *,
            spec: ModelSpec, eos_ids: tuple[int, ...], shardings: MeshRules | None = None,
-           numerics: Numerics = REFERENCE):
+           numerics: Numerics = REFERENCE, features: Features = ALL):
     """Continue the slots with count [S] > 0 (module docstring): their caches keep columns
     [0, start) and gain the first count tokens of tokens [S, A] (right-padded) behind them;
-    then each draws a first token with keys [S, 2], settings [S] and budget [S]. Slots with
+    then each draws a first token with keys [S, 2], settings [S] (which features must cover
+    for those slots, `Features.covers`) and budget [S]. Slots with
     count 0 keep their state (the pass writes their cache only past their filled columns,
     which nothing reads). Returns the new state and, per slot [S], the first token with its
     log-probs (`Picked`) and whether the slot is already done."""
@@ -321,7 +345,7 @@ def extend(state: Slots, params: Params, lora: Lora | None, tokens: jax.Array, s
                          lm_logits(params, last, spec, numerics))  # [S, V]
     seen = _appended_history(state.history, tokens, count, spec.vocab_size)
     picked = next_token(_fold(keys, 0), logits, settings, seen,
-                        vocab_top_k(shardings, *logits.shape))
+                        vocab_top_k(shardings, *logits.shape), features)
     token = picked.token
     done = jnp.isin(token, jnp.asarray(eos_ids, jnp.int32)) | (budget <= 1)
     pick = lambda new, old: jnp.where(on.reshape(-1, *([1] * (old.ndim - 1))), new, old)

@@ -21,21 +21,27 @@ Before all of them the raw logits are adjusted (`adjust_logits`) by what a row h
          far loses a * (c > 0) + f * c; 0 = off. The prompt does not count.
   logit_bias: up to MAX_LOGIT_BIAS (token id, bias) pairs added to the logits.
 Temperature 0 is greedy: the first index of the largest adjusted logit (filters do not apply).
-An adjustment or filter that no row uses is skipped at run time (`lax.cond`), and so are the
-draws when every row is greedy.
+
+Which of these a program computes is static (`Features`, from the rows' settings on the host):
+an adjustment, filter, the draws or the greedy choice that no row uses is left out of the
+program, and one that is in is applied to every row as a mask, so a row that does not use it
+passes through unchanged. Nothing here branches on data at run time (no `lax.cond`, no loop
+with a data-dependent trip count), so on an accelerator nothing waits on the host.
 
 Log-probs (`next_token`): the log-probability of the chosen token under log_softmax(logits / T)
 of the model's raw logits for T > 0, taken BEFORE the adjustments and top-k / top-p / min-p
 filtering, which is the distribution the learner's `jaxrl.rl.logprobs` computes at the same
 temperature; for T = 0 it is the untempered log_softmax(logits). Rows that ask for
 `top_logprobs` also get the MAX_TOP_LOGPROBS most likely tokens of that distribution with their
-log-probs (computed only when some row asks).
+log-probs (computed only when the features say some row asks).
 
 Draws: row b draws its uniforms from its own key, so what a row samples does not depend on the
 rows beside it. `categorical` inverts the CDF in three levels, group sums, then block sums of
 one group, then one block, instead of V Gumbel numbers per row; top-k and top-p read the top
-256 entries (`lax.top_k`) and fall back to an exact bisection only for rows those do not decide,
-as a full sort over V is far slower (docs/benchmarks.md).
+256 entries (`lax.top_k`) and fall back to an exact bisection for rows those do not decide, as
+a full sort over V is far slower (docs/benchmarks.md): top-k's bisection is in the program only
+when the features say some row's k exceeds those entries, top-p's whenever top-p is (whether
+the 256 entries reach p is known only from the data), each applied as a mask per row.
 
 Vocab split over a mesh (the decode step's logits, `jaxrl.sharding.head_rules`): the top-k
 that the functions take runs per part and exchanges [B, parts * k] candidates
@@ -47,7 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -102,6 +108,63 @@ class Decoding:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Features:
+    """Which parts of `next_token` a batch of rows needs: a hashable static value that the host
+    computes from the rows' settings (`of`) and the programs take as a static argument. A part
+    that is off is left out of the program; one that is on is applied to every row as a mask.
+    For every row whose settings it covers (`covers`), a program built for a features value
+    gives the tokens, log-probs and top log-probs that the program with every part on (`ALL`)
+    gives; a row it does not cover gets some token, which the caller must not use."""
+
+    greedy: bool = False  # some row has temperature 0 (neither: the greedy choice alone)
+    sampled: bool = False  # some row draws (temperature > 0)
+    top_k: bool = False  # some drawing row has top_k > 0
+    wide_top_k: bool = False  # some drawing row's top_k exceeds the _CANDIDATES read
+    top_p: bool = False  # some drawing row has top_p < 1
+    min_p: bool = False  # some drawing row has min_p > 0
+    penalties: bool = False  # some row has a repetition, presence or frequency penalty or a bias
+    top_logprobs: bool = False  # some row asks for top log-probs
+
+    @classmethod
+    def of(cls, rows: Iterable[Decoding]) -> "Features":
+        """The smallest features that cover every row (their settings as float32, as
+        `RowSettings.of` holds them)."""
+        f32 = np.float32
+        rows = list(rows)
+        drawn = [d for d in rows if f32(d.temperature) != 0]
+        return cls(greedy=len(drawn) < len(rows), sampled=bool(drawn),
+                   top_k=any(d.top_k > 0 for d in drawn),
+                   wide_top_k=any(d.top_k > _CANDIDATES for d in drawn),
+                   top_p=any(f32(d.top_p) < 1 for d in drawn),
+                   min_p=any(f32(d.min_p) > 0 for d in drawn),
+                   penalties=any(f32(d.repetition_penalty) != 1 or f32(d.presence_penalty) != 0
+                                 or f32(d.frequency_penalty) != 0 or d.logit_bias
+                                 for d in rows),
+                   top_logprobs=any(d.top_logprobs > 0 for d in rows))
+
+    def __or__(self, other: "Features") -> "Features":
+        """The features that cover the rows either covers."""
+        return Features.from_bits(self.bits() | other.bits())
+
+    def covers(self, rows: Iterable[Decoding]) -> bool:
+        """Every part these rows use is on."""
+        need = Features.of(rows).bits()
+        return need & self.bits() == need
+
+    def bits(self) -> int:
+        """The features as an int, one bit per field in order (`from_bits` inverts it)."""
+        return sum(1 << i for i, f in enumerate(dataclasses.fields(self))
+                   if getattr(self, f.name))
+
+    @classmethod
+    def from_bits(cls, bits: int) -> "Features":
+        return cls(**{f.name: bool(bits >> i & 1) for i, f in enumerate(dataclasses.fields(cls))})
+
+
+ALL = Features(**{f.name: True for f in dataclasses.fields(Features)})  # every part on
 
 
 @struct.dataclass
@@ -193,17 +256,19 @@ def _bisect_kth(logits: jax.Array, k: jax.Array) -> jax.Array:
     return jax.lax.fori_loop(0, 33, halve, (lo, hi))[0]
 
 
-def top_k_mask(logits: jax.Array, k, top_k: TopK = jax.lax.top_k) -> jax.Array:
+def top_k_mask(logits: jax.Array, k, top_k: TopK = jax.lax.top_k,
+               wide: bool = True) -> jax.Array:
     """[B, V] True where a logit is among the k largest of its row (ties kept); k an int or
-    [B] ints, 0 = keep all."""
+    [B] ints, 0 = keep all. wide: some row's k may exceed the _CANDIDATES entries read; when
+    False, a row with _CANDIDATES < k <= V keeps its top _CANDIDATES instead."""
     k = _per_row(k, logits)
-    n = min(_CANDIDATES, logits.shape[-1])
+    v = logits.shape[-1]
+    n = min(_CANDIDATES, v)
     top = top_k(logits, n)[0]  # [B, n], descending
     kth = _ordered(jnp.take_along_axis(top, jnp.clip(k - 1, 0, n - 1), axis=-1))
-    beyond = k > n  # rows whose k-th largest lies outside the candidates
-    kth = jax.lax.cond(jnp.any(beyond), lambda: jnp.where(beyond, _bisect_kth(logits, k), kth),
-                       lambda: kth)
-    return (k == 0) | (_ordered(logits) >= kth)
+    if wide and n < v:  # rows whose k-th largest lies outside the candidates
+        kth = jnp.where(k > n, _bisect_kth(logits, k), kth)
+    return (k == 0) | (k > v) | (_ordered(logits) >= kth)
 
 
 def _bisect_top_p(probs: jax.Array, p: jax.Array) -> jax.Array:
@@ -234,9 +299,7 @@ def top_p_mask(logits: jax.Array, p, top_k: TopK = jax.lax.top_k) -> jax.Array:
     last = jnp.sum(above < p, axis=-1, keepdims=True) - 1  # [B, 1] index of the last kept
     threshold = jnp.take_along_axis(top, last, axis=-1)  # [B, 1]
     reached = (jnp.sum(top, axis=-1, keepdims=True) >= p) | (p >= 1)  # decided by the top n
-    threshold = jax.lax.cond(
-        jnp.all(reached), lambda: threshold,
-        lambda: jnp.where(reached, threshold, _bisect_top_p(probs, p)))
+    threshold = jnp.where(reached, threshold, _bisect_top_p(probs, p))
     return (p >= 1) | (probs >= threshold)
 
 
@@ -246,16 +309,17 @@ def min_p_mask(logits: jax.Array, min_p) -> jax.Array:
     return jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True)) >= _per_row(min_p, logits)
 
 
-def filter_logits(scaled: jax.Array, settings: RowSettings,
-                  top_k: TopK = jax.lax.top_k) -> jax.Array:
+def filter_logits(scaled: jax.Array, settings: RowSettings, top_k: TopK = jax.lax.top_k,
+                  features: Features = ALL) -> jax.Array:
     """Temperature-scaled logits [B, V] with each row's top-k, top-p, min-p applied in HF's
-    order; a filter no row uses is skipped."""
-    steps = ((settings.top_k > 0, lambda x: top_k_mask(x, settings.top_k, top_k)),
-             (settings.top_p < 1, lambda x: top_p_mask(x, settings.top_p, top_k)),
-             (settings.min_p > 0, lambda x: min_p_mask(x, settings.min_p)))
-    for used, keep in steps:
-        scaled = jax.lax.cond(jnp.any(used), lambda x, keep=keep: jnp.where(keep(x), x, -jnp.inf),
-                              lambda x: x, scaled)
+    order; a filter the features leave out is not applied (`Features`)."""
+    if features.top_k:
+        keep = top_k_mask(scaled, settings.top_k, top_k, features.wide_top_k)
+        scaled = jnp.where(keep, scaled, -jnp.inf)
+    if features.top_p:
+        scaled = jnp.where(top_p_mask(scaled, settings.top_p, top_k), scaled, -jnp.inf)
+    if features.min_p:
+        scaled = jnp.where(min_p_mask(scaled, settings.min_p), scaled, -jnp.inf)
     return scaled
 
 
@@ -306,30 +370,20 @@ def greedy(logits: jax.Array, top_k: TopK = jax.lax.top_k) -> jax.Array:
     return top_k(logits, 1)[1][:, 0].astype(jnp.int32)
 
 
-def _when_used(used: jax.Array, adjust, logits: jax.Array) -> jax.Array:
-    return jax.lax.cond(jnp.any(used), adjust, lambda x: x, logits)
-
-
-def adjust_logits(logits: jax.Array, settings: RowSettings, history: History) -> jax.Array:
+def adjust_logits(logits: jax.Array, settings: RowSettings, history: History,
+                  features: Features = ALL) -> jax.Array:
     """Raw logits [B, V] after each row's repetition, presence and frequency penalties and
-    logit_bias (module docstring); an adjustment no row uses is skipped."""
+    logit_bias (module docstring); left as they are when the features have no penalties."""
+    if not features.penalties:
+        return logits
     rows = jnp.arange(logits.shape[0])[:, None]
     r = settings.repetition_penalty[:, None]
-
-    def repetition(x):
-        seen = history.prompt | (history.counts > 0)
-        return jnp.where(seen, jnp.where(x > 0, x / r, x * r), x)
-
-    def presence_frequency(x):
-        counts = history.counts.astype(x.dtype)
-        return (x - settings.presence_penalty[:, None] * (counts > 0)
-                - settings.frequency_penalty[:, None] * counts)
-
-    bias = lambda x: x.at[rows, settings.bias_ids].add(settings.bias, mode="drop")
-    logits = _when_used(settings.repetition_penalty != 1, repetition, logits)
-    logits = _when_used((settings.presence_penalty != 0) | (settings.frequency_penalty != 0),
-                        presence_frequency, logits)
-    return _when_used(settings.bias_ids < _NO_TOKEN, bias, logits)
+    seen = history.prompt | (history.counts > 0)
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / r, logits * r), logits)
+    counts = history.counts.astype(logits.dtype)
+    logits = (logits - settings.presence_penalty[:, None] * (counts > 0)
+              - settings.frequency_penalty[:, None] * counts)
+    return logits.at[rows, settings.bias_ids].add(settings.bias, mode="drop")
 
 
 @struct.dataclass
@@ -343,30 +397,31 @@ class Picked:
 
 
 def next_token(keys: jax.Array, logits: jax.Array, settings: RowSettings,
-               history: History, top_k: TopK = jax.lax.top_k) -> Picked:
+               history: History, top_k: TopK = jax.lax.top_k,
+               features: Features = ALL) -> Picked:
     """The next token of each row from float32 logits [B, V], row b drawn with keys[b] under
     its own settings and history; log-probs of the tempered raw distribution (module
     docstring). top_k: `lax.top_k` over V, or where a mesh splits V the top-k that exchanges
-    candidates (`jaxrl.sharding.vocab_top_k`)."""
+    candidates (`jaxrl.sharding.vocab_top_k`). features: the parts the program holds; rows
+    they do not cover (`Features.covers`) get tokens that mean nothing."""
     is_greedy = settings.temperature == 0
     temperature = jnp.where(is_greedy, 1.0, settings.temperature)[:, None]
-    adjusted = adjust_logits(logits, settings, history)
-
-    def draw():
-        return categorical(keys, filter_logits(adjusted / temperature, settings, top_k))
-
-    def some_greedy():
-        best = greedy(adjusted, top_k)
-        return jax.lax.cond(jnp.all(is_greedy), lambda: best,
-                            lambda: jnp.where(is_greedy, best, draw()))
-    token = jax.lax.cond(jnp.any(is_greedy), some_greedy, draw)  # no top-k when none is
+    adjusted = adjust_logits(logits, settings, history, features)
+    if features.sampled:
+        token = categorical(keys, filter_logits(adjusted / temperature, settings, top_k,
+                                                features))
+        if features.greedy:
+            token = jnp.where(is_greedy, greedy(adjusted, top_k), token)
+    else:
+        token = greedy(adjusted, top_k)
     scaled = logits / temperature
     lse = jax.nn.logsumexp(scaled, axis=-1)  # [B]
     k = min(MAX_TOP_LOGPROBS, logits.shape[-1])
-    top_scaled, top_ids = jax.lax.cond(
-        jnp.any(settings.top_logprobs > 0), lambda: tuple(top_k(scaled, k)),
-        lambda: (lse[:, None] + jnp.zeros((1, k), scaled.dtype),
-                 jnp.zeros(scaled.shape[:1] + (k,), jnp.int32)))
+    if features.top_logprobs:
+        top_scaled, top_ids = top_k(scaled, k)
+    else:
+        top_scaled = lse[:, None] + jnp.zeros((1, k), scaled.dtype)
+        top_ids = jnp.zeros(scaled.shape[:1] + (k,), jnp.int32)
     chosen = logits_at(scaled, token)
     return Picked(token=token, logprob=chosen - lse, top_ids=top_ids.astype(jnp.int32),
                   top_logprobs=top_scaled - lse[:, None])

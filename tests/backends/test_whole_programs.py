@@ -1,7 +1,8 @@
-"""The accelerator numerics choices as whole programs on the CPU: with the GPU's forms and with
-the TPU's, a forward, greedy and seeded decoding through the engine, and one GRPO step, on one
-device and on the (2, 2, 2) mesh, equal the CPU choice's logits, tokens, log-probs, loss and
-LoRA gradients (the NF4 model of the mesh tests, in float32, at their tolerance)."""
+"""The accelerator numerics choices as whole programs on the CPU: with the GPU's forms (on one
+device its Pallas kernels, in interpret mode) and with the TPU's, a forward, greedy and seeded
+decoding through the engine, and one GRPO step, on one device and on the (2, 2, 2) mesh, equal
+the CPU choice's logits, tokens, log-probs, loss and LoRA gradients (the NF4 model of the mesh
+tests, in float32, at their tolerance)."""
 import dataclasses
 
 import jax
@@ -28,6 +29,8 @@ def _run(platform: str, on_mesh: bool, batch=None):
     `platform`'s numerics; the batch is built from the greedy sample unless given."""
     rules = mesh_rules() if on_mesh else None
     numerics = numerics_for(platform, 8 if on_mesh else 1)
+    if numerics.in_place_layers:  # Pallas GPU kernels, run by the CPU in interpret mode
+        numerics = dataclasses.replace(numerics, interpret=True)
     params, lora = quantized_model()
     optimizer, state = optimizer_state(lora)
     params = placed(rules, numerics.hold(params))
@@ -71,7 +74,9 @@ def test_accelerator_choice_equals_the_cpu_choice(cpu_choice, platform, on_mesh)
 def test_the_choices_differ_where_they_should():
     cpu, gpu, tpu = (numerics_for(p) for p in ("cpu", "gpu", "tpu"))
     assert (cpu.nf4_decode, cpu.nf4_many) == (tpu.nf4_decode, tpu.nf4_many) == ("block", "dense")
-    assert (gpu.nf4_decode, gpu.nf4_many) == ("split", "split")
+    assert (gpu.nf4_decode, gpu.nf4_many, gpu.attention) == ("kernel", "split", "pallas_gpu")
+    gpu8 = numerics_for("gpu", 8)  # kernels on one device only
+    assert (gpu8.nf4_decode, gpu8.attention, gpu8.in_place_layers) == ("split", "xla", False)
     assert cpu.hold_bits and not gpu.hold_bits and not tpu.hold_bits
     assert cpu.cache_dtype(jnp.bfloat16) == jnp.float32
     assert gpu.cache_dtype(jnp.bfloat16) == tpu.cache_dtype(jnp.bfloat16) == jnp.bfloat16
@@ -79,3 +84,19 @@ def test_the_choices_differ_where_they_should():
     assert cpu.compiler_options("decode") and gpu.compiler_options("decode") is None
     with pytest.raises(ValueError, match="rocm"):
         numerics_for("rocm")
+
+
+def test_a_jax_that_cannot_lower_the_kernels_keeps_the_xla_forms(monkeypatch):
+    from jaxrl.backends import numerics
+
+    def fails():
+        raise TypeError("pallas_call() got an unexpected keyword argument 'compiler_params'")
+
+    monkeypatch.setattr(numerics, "_lower_gpu_kernels", fails)
+    numerics.gpu_kernels_unusable.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="keeps the XLA forms"):
+            gpu = numerics_for("gpu")
+        assert (gpu.nf4_decode, gpu.attention) == ("split", "xla") and gpu.fixed_chunk
+    finally:
+        numerics.gpu_kernels_unusable.cache_clear()

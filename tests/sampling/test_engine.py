@@ -1,7 +1,8 @@
 """The decode engine on tiny random models, float32: requests decode as they do alone whatever
 slot they land in and whatever decodes beside them (greedy ones equal transformers' generate),
 log-probs equal teacher forcing, each distinct prompt is prefilled once, slots are refilled as
-requests finish, tokens stream in order, and changing settings compiles nothing new."""
+requests finish, tokens stream in order, and settings compile a program only for parts of the
+token choice (features) not compiled before."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,8 +12,10 @@ from jaxrl.backends.numerics import numerics_for
 from jaxrl.hf.load import load_params
 from jaxrl.model.transformer import forward, lm_logits
 from jaxrl.sampling import Decoding, Engine, Request
+from jaxrl.sampling import engine as engine_module
 from jaxrl.sampling import programs as engine_programs
 from jaxrl.sampling.requests import row_keys
+from jaxrl.sampling.sampling_fns import Features
 from tests.tiny_models import hf_greedy, make_model
 
 PROMPTS = [[5, 9, 31, 7, 100, 3, 44], [17, 2, 88], list(range(10, 40)), [64], [3, 1, 4, 1, 5]]
@@ -118,19 +121,47 @@ def test_tokens_stream_in_order_as_they_are_decoded(tiny):
     assert [t for t, _ in seen] == request.tokens and done == [request]
 
 
-def test_new_settings_compile_no_new_program(tiny):
+def test_settings_compile_a_program_per_features_value(tiny, monkeypatch):
+    """Requests that share one setting (a rollout) run one features value; other settings that
+    use the same parts compile nothing new; mixed settings compile one `generate` for each
+    features value the engine passes, and the engine passes a new one only where none it ran
+    covers the requests (jaxrl/sampling/engine.py)."""
     _, spec, params = tiny
-    _run(params, spec, _requests(seed=5))  # compiles the buckets these requests use
-    before = engine_programs.generate.cache_size(), engine_programs.admit._cache_size()
-    settings = [Decoding(0.3, top_k=2), Decoding(1.7, top_p=0.5, min_p=0.2), Decoding(0.0),
-                Decoding(0.9, top_k=40, top_p=0.7)]
-    for seed, decoding in enumerate(settings):
-        requests = _requests(seed=10 + seed)
+    passed = []
+    real = engine_module.generate
+
+    def spy(*args, **kwargs):
+        passed.append(kwargs["features"])
+        return real(*args, **kwargs)
+    monkeypatch.setattr(engine_module, "generate", spy)
+    compiled = lambda: (engine_programs.generate.cache_size(), engine_programs.admit._cache_size())
+
+    def run(decoding, seed, chunk=3):  # chunk 3: a generate no other test compiles
+        requests = _requests(seed=seed)
         for r in requests:
             r.decoding = decoding
-        _run(params, spec, requests)
-    after = engine_programs.generate.cache_size(), engine_programs.admit._cache_size()
-    assert after == before
+        _run(params, spec, requests, chunk=chunk)
+
+    rollout = Features(sampled=True, top_k=True)
+    run(Decoding(0.3, top_k=2), seed=20)
+    assert set(passed) == {rollout}
+    before = compiled()
+    for seed, decoding in enumerate([Decoding(1.7, top_k=40), Decoding(0.9, top_k=7)]):
+        run(decoding, seed=21 + seed)
+    assert compiled() == before and set(passed) == {rollout}
+    passed.clear()
+    _run(params, spec, _requests(seed=5), chunk=3)
+    mixed = set(passed)
+    passed.clear()  # settings arriving one kind after another, into one engine
+    _run(params, spec, sorted(_requests(n=10, seed=6), key=lambda r: MIXED.index(r.decoding)),
+         chunk=3)
+    new = compiled()[0] - before[0]
+    assert new == len((mixed | set(passed)) - {rollout}) > 1
+    covers = lambda a, b: a.bits() & b.bits() == b.bits()
+    for i, f in enumerate(passed):
+        if f not in passed[:i]:
+            assert not any(covers(g, f) for g in passed[:i]), (f, passed[:i])
+    assert len(set(passed)) < len(MIXED)
 
 
 def test_a_request_that_does_not_fit_is_refused(tiny):

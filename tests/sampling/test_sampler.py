@@ -169,20 +169,26 @@ def test_lora_dropout_never_acts_while_sampling(models):
 
 
 def test_compiles_one_program_per_bucket(models):
-    """sample's engine programs are keyed by shape buckets only: new lengths within the buckets
-    and new settings reuse them."""
+    """sample's engine programs are keyed by shape buckets and the settings' features only:
+    new lengths within the buckets and new settings of the same features (here: drawn with
+    top-k; greedy) reuse them."""
     _, spec, params = models["qwen2-tied"]
     run = lambda prompt, n, t: sample(params, spec, [prompt, prompt[:2]], jax.random.PRNGKey(0),
                                       SamplingConfig(temperature=t, top_k=7, max_new_tokens=n))
     sizes = lambda: (programs.generate.cache_size(), programs.admit._cache_size())
     run(list(range(3, 6)), 5, 0.5)
     before = sizes()
-    for n, length, t in zip([5, 9, 16, 3], [3, 9, 16, 12], [0.5, 0.0, 1.2, 0.8]):
+    for n, length, t in zip([5, 9, 16, 3], [3, 9, 16, 12], [0.5, 0.3, 1.2, 0.8]):
         out = run(list(range(3, 3 + length)), n, t)  # prompt bucket 16, new-token bucket 16
         assert out.tokens.shape == (2, n) and out.mask.all()
     assert sizes() == before
+    run(list(range(3, 9)), 9, 0.0)  # greedy: one features value of its own
+    greedy = sizes()
+    assert greedy[0] <= before[0] + 1 and greedy[1] <= before[1] + 1
+    run(list(range(3, 14)), 12, 0.0)
+    assert sizes() == greedy
     run(list(range(3, 20)), 5, 0.5)  # prompt bucket 32: a new cache width
-    assert sizes()[0] == before[0] + 1
+    assert sizes()[0] == greedy[0] + 1
 
 
 def test_decoding_stops_early_once_every_row_has_finished(models):

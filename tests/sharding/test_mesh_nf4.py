@@ -110,7 +110,7 @@ def test_the_gpu_split_form_on_the_mesh_gives_the_dequantized_logits():
     one device."""
     from jaxrl.model import transformer
 
-    gpu = numerics_for("gpu")
+    gpu = numerics_for("gpu", 8)
     assert gpu.nf4_decode == gpu.nf4_many == "split"
     params, lora = quantized_model()
     dense = jax.tree_util.tree_map(lambda x: dequantize(x, jnp.float32)
