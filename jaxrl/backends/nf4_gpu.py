@@ -30,9 +30,12 @@ Rounding (the same as the XLA reference `nf4_matmul_reference`, which is `linear
 So the kernel and the reference differ only in the order of the float32 sums.
 
 Split-K (small M, where O / bo tiles alone give too few programs): the grid gains an axis of S
-parts of I, each program writes its float32 partial sums, XLA adds the parts, and the
-epilogue (LoRA, rounding, SwiGLU) runs after that sum in XLA on the [M, O] sums; the LoRA
-B stack, when stacked, is then indexed by XLA (a [r, O] slice, not the codes).
+parts of I, and each program writes its float32 partial sums to plane s of an [S, M, O]
+output per weight. The programs of part 0 also compute the LoRA product xa @ B of their
+[bm, bo] tile in float32 (B read at `layer` in the kernel when stacked) and write it to a
+float32 [M, O] output per weight with a LoRA. XLA then adds the S planes and applies the
+epilogue (rounding, the LoRA addition, SwiGLU) to the [M, O] sums and LoRA products, with the
+same rounding as above; no product of x, xa or B is formed outside the kernel.
 
 The kernels are differentiable: the backward pass is the reference's (x, xa and B get
 gradients; the QTensor and the layer index get zeros).
@@ -190,7 +193,9 @@ def _kernel(layer_ref, x_ref, *refs, spec: _Spec):
     per = -(-n_chunks // t.split_k)
     n_w = len(spec.modes)
 
-    # unpack the refs: per weight codes, scales[, steps, offset][, xa, b]; then the outputs
+    # unpack the refs: per weight codes, scales[, steps, offset][, xa, b]; then the outputs:
+    # one without split-K; under split-K the partial sums per weight, then the LoRA products
+    # per weight with a LoRA
     weights, it = [], iter(refs)
     for w in range(n_w):
         codes, scales = next(it), next(it)
@@ -248,29 +253,38 @@ def _kernel(layer_ref, x_ref, *refs, spec: _Spec):
     accs = jax.lax.fori_loop(start, stop, body, (zero,) * n_w)
     out_mask = row_ok[:, None] & col_ok[None, :]
 
-    if t.split_k > 1:  # float32 partial sums; the epilogue follows the sum, in XLA
+    def lora_product(w):
+        """xa @ B of this program's [bm, bo] tile in float32 (B at `layer` when stacked)."""
+        xa_ref, b_ref = weights[w][3]
+        rp, r = spec.rank_pad[w], spec.rank[w]
+        ranks = jnp.arange(rp, dtype=jnp.int32)
+        r_ok = ranks < r
+        safe_r = jnp.minimum(ranks, r - 1)
+        xa = plgpu.load(xa_ref.at[safe_rows[:, None], safe_r[None, :]],
+                        mask=row_ok[:, None] & r_ok[None, :], other=0)
+        safe_cols = jnp.minimum(cols, spec.n_out - 1)
+        b_index = (safe_r[:, None], safe_cols[None, :])
+        if spec.lora[w] == 3:
+            b_index = (layer,) + b_index
+        b = plgpu.load(b_ref.at[b_index], mask=r_ok[:, None] & col_ok[None, :], other=0)
+        return jnp.dot(xa, b, preferred_element_type=jnp.float32)
+
+    if t.split_k > 1:  # float32 partial sums and LoRA products; the epilogue runs in XLA
         for w in range(n_w):
             plgpu.store(outs[w].at[ps, pl.ds(pm * bm, bm), pl.ds(po * bo, bo)], accs[w],
                         mask=out_mask)
+        lora_outs = list(zip([w for w in range(n_w) if spec.lora[w]], outs[n_w:]))
+        if lora_outs:
+            @pl.when(ps == 0)
+            def _():
+                for w, out in lora_outs:
+                    plgpu.store(out.at[pl.ds(pm * bm, bm), pl.ds(po * bo, bo)],
+                                lora_product(w), mask=out_mask)
         return
 
     results = []
     for w in range(n_w):
-        lora32 = None
-        if spec.lora[w]:
-            xa_ref, b_ref = weights[w][3]
-            rp, r = spec.rank_pad[w], spec.rank[w]
-            ranks = jnp.arange(rp, dtype=jnp.int32)
-            r_ok = ranks < r
-            safe_r = jnp.minimum(ranks, r - 1)
-            xa = plgpu.load(xa_ref.at[safe_rows[:, None], safe_r[None, :]],
-                            mask=row_ok[:, None] & r_ok[None, :], other=0)
-            safe_cols = jnp.minimum(cols, spec.n_out - 1)
-            b_index = (safe_r[:, None], safe_cols[None, :])
-            if spec.lora[w] == 3:
-                b_index = (layer,) + b_index
-            b = plgpu.load(b_ref.at[b_index], mask=r_ok[:, None] & col_ok[None, :], other=0)
-            lora32 = jnp.dot(xa, b, preferred_element_type=jnp.float32)
+        lora32 = lora_product(w) if spec.lora[w] else None
         out_dtype = x_dtype if spec.swiglu else spec.dtype
         results.append(_combine(accs[w], lora32, out_dtype, x_dtype))
     y = _swiglu32(results[0], results[1], x_dtype) if spec.swiglu else results[0]
@@ -314,16 +328,13 @@ def _run(x, qs, layer, loras, *, dtype, swiglu, interpret, overrides):
     layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, n_layers - 1)
 
     operands, lora_kind, ranks = [jnp.reshape(layer, (1,)), x], [], []
-    split_loras = []
     for q, lora in zip(qs, loras):
         operands += [q.codes, q.scales]
         if q.double_quant:
             operands += [q.scale_scales, q.scale_offset]
-        if lora is None or tiles.split_k > 1:
+        if lora is None:
             lora_kind.append(0)
             ranks.append(0)
-            split_loras.append(None if lora is None
-                               else _lora_operands(lora, q, m, x.dtype, "lora"))
         else:
             xa, b, kind = _lora_operands(lora, q, m, x.dtype, "lora")
             operands += [xa, b]
@@ -336,7 +347,9 @@ def _run(x, qs, layer, loras, *, dtype, swiglu, interpret, overrides):
                  x_dtype=jnp.dtype(x.dtype), dtype=jnp.dtype(dtype), swiglu=swiglu, tiles=tiles)
     grid = (pl.cdiv(m, tiles.block_m), pl.cdiv(n_out, tiles.block_o), tiles.split_k)
     if tiles.split_k > 1:
-        out_shape = [jax.ShapeDtypeStruct((tiles.split_k, m, n_out), jnp.float32)] * len(qs)
+        out_shape = ([jax.ShapeDtypeStruct((tiles.split_k, m, n_out), jnp.float32)] * len(qs)
+                     + [jax.ShapeDtypeStruct((m, n_out), jnp.float32)
+                        for kind in lora_kind if kind])
     else:
         out_shape = [jax.ShapeDtypeStruct((m, n_out), x.dtype if swiglu else dtype)]
     outs = pl.pallas_call(
@@ -347,13 +360,10 @@ def _run(x, qs, layer, loras, *, dtype, swiglu, interpret, overrides):
     if tiles.split_k == 1:
         return outs[0]
 
+    lora_parts = iter(outs[len(qs):])
     results = []
-    for part, lora in zip(outs, split_loras):
-        lora32 = None
-        if lora is not None:
-            xa, b, kind = lora
-            b = jax.lax.dynamic_index_in_dim(b, layer, keepdims=False) if kind == 3 else b
-            lora32 = jnp.dot(xa, b, preferred_element_type=jnp.float32)
+    for part, kind in zip(outs[:len(qs)], lora_kind):
+        lora32 = next(lora_parts) if kind else None
         out_dtype = x.dtype if swiglu else dtype
         results.append(_combine(part.sum(axis=0), lora32, out_dtype, x.dtype))
     return _swiglu32(results[0], results[1], x.dtype) if swiglu else results[0]
@@ -489,7 +499,8 @@ def nf4_swiglu(x: jax.Array, gate: QTensor, up: QTensor, layer, *, gate_lora=Non
     """swiglu(x @ gate + gate LoRA, x @ up + up LoRA) [..., F] in x's dtype for layer `layer`
     of the stacked QTensors gate and up [L, I, F] (same shape and block_size), in one kernel:
     each program reads both layers' tiles and applies SwiGLU in its epilogue, so the [M, F]
-    gate and up products are never written (except as float32 partial sums under split-K).
+    gate and up products are never written (except as float32 partial sums and LoRA products
+    under split-K).
     gate_lora, up_lora: as `nf4_matmul`'s lora. Rounding: module docstring."""
     x2, lead = _flat(x)
     _check_q(gate, x2.shape[1], "gate")

@@ -142,7 +142,9 @@ class Numerics:
         "b": [r, O]} (or None) added in its epilogue: x @ W + scale * (x @ A) @ B, the
         low-rank product rounded as `jaxrl.lora.lora.lora_delta` rounds it. With `up` (and
         up_adapter): swiglu(gate, up) of the gate projection `kernel` and the up projection,
-        in one kernel. Differentiable (the backward is the XLA reference's)."""
+        in one kernel; an adapter may carry its x @ A term already ({"xa", "b"}, from
+        `low_rank_inputs` of joined A matrices, `hold_adapters`). Differentiable (the backward
+        is the XLA reference's)."""
         from jaxrl.backends import nf4_gpu
 
         lead, n_in = x.shape[:-1], x.shape[-1]
@@ -151,9 +153,9 @@ class Numerics:
         def low_rank(ad):
             if ad is None:
                 return None
-            xa = jnp.einsum("mi,ir->mr", x2, ad["a"].astype(x.dtype),
-                            preferred_element_type=jnp.float32)
-            return (scale * xa).astype(x.dtype), ad["b"].astype(x.dtype)
+            if "xa" in ad:  # computed with other adapters' (`low_rank_inputs`)
+                return ad["xa"].reshape(-1, ad["xa"].shape[-1]), ad["b"].astype(x.dtype)
+            return low_rank_inputs(x2, ad["a"], scale), ad["b"].astype(x.dtype)
 
         if up is None:
             y = nf4_gpu.nf4_matmul(x2, kernel.stack, kernel.layer, lora=low_rank(adapter),
@@ -213,6 +215,10 @@ class Numerics:
             return None
         weights = jax.tree_util.tree_map(lambda a: a.astype(dtype), lora.weights)
         layers = cpu.hold(weights["layers"]) if self.hold_bits else weights["layers"]
+        if self.in_place_layers:  # the kernels' x @ A of a group of linears in one product
+            layers = {**layers, **{joined_name(group): {
+                "a": jnp.concatenate([layers[n]["a"] for n in group], axis=-1)}
+                for group in JOINED if all(n in layers for n in group)}}
         return lora.replace(weights={**weights, "layers": layers})
 
     def cache_dtype(self, dtype):
@@ -247,6 +253,23 @@ class Numerics:
         if fits is None:
             return self.dequantize_auto
         return "once" if fits else "per_layer"
+
+
+# Linears that read one input: where the kernels run them, a sampling program's adapters also
+# hold the group's A matrices side by side under `joined_name(group)` (`hold_adapters`), so
+# one product gives every member's x @ A.
+JOINED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def joined_name(group) -> str:
+    return "+".join(group)
+
+
+def low_rank_inputs(x: jax.Array, a: jax.Array, scale: float) -> jax.Array:
+    """scale * x @ A [..., r], summed in float32 and rounded to x's dtype, as
+    `jaxrl.lora.lora.lora_delta` rounds it before B."""
+    xa = jnp.einsum("...i,ir->...r", x, a.astype(x.dtype), preferred_element_type=jnp.float32)
+    return (scale * xa).astype(x.dtype)
 
 
 def dense(x):

@@ -593,7 +593,7 @@ class Form:
 FORM_FIELDS = {
     "block": ({"nf4_decode": "block", "attention": "xla", "fixed_chunk": False},),
     "split": ({"nf4_decode": "split", "attention": "xla", "fixed_chunk": False},),
-    "kernels": ({"nf4_decode": "kernel"}, {"nf4_kernel": True},
+    "kernels": ({"nf4_decode": "kernel"},
                 {"attention": "pallas_gpu"}, {"fixed_chunk": True}),
 }
 FORMS = ("block", "split", "kernels", "dense")

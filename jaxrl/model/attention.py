@@ -196,7 +196,8 @@ def attend_filled(q: jax.Array, k: jax.Array, v: jax.Array, kernel, cache, prefi
         out, lse = kernel(_blocks(q4, share), *prefix)  # the block's R*G rows at once
         parts.append((_unblocks(out, share), _unblocks(lse[..., None], share)[..., 0]))
     parts.append(kernel(q4, *cache))
-    own = jnp.einsum("bkgd,bkd->bkg", q4, k[:, 0], preferred_element_type=jnp.float32)
+    # the step's own key: an elementwise product and a sum (no matmul for D-long rows)
+    own = jnp.sum(q4.astype(jnp.float32) * k[:, 0, :, None].astype(jnp.float32), axis=-1)
     parts.append((jnp.broadcast_to(v[:, 0, :, None].astype(jnp.float32), (b, kv, g, d)),
                   own * (d ** -0.5)))
     out, _ = merge(parts)

@@ -17,8 +17,10 @@ from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from jaxrl.backends.numerics import REFERENCE, AtLayer, Numerics, dense_tree
+from jaxrl.backends.numerics import (REFERENCE, AtLayer, Numerics, dense_tree, joined_name,
+                                    low_rank_inputs)
 from jaxrl.lora.lora import Lora, lora_delta
 from jaxrl.model.attention import apply_rope, attend, attend_filled, rope_tables
 from jaxrl.model.families import ModelSpec
@@ -107,12 +109,35 @@ class projector:
                 y = y + lora_delta(x, ad, self.lora.scale, self.lora.dropout, key)
         return numerics.save(y, "projection")
 
+    def _kernel_adapters(self, names, x: jax.Array):
+        """The adapters of the linears `names` for the kernels: with their x @ A terms from
+        one product where the sampling program joined their A matrices
+        (`Numerics.hold_adapters`), else as they are."""
+        adapters = [self._adapter(n) for n in names]
+        joined = self._adapter(joined_name(names))
+        if joined is None:
+            return adapters
+        xa = low_rank_inputs(x, joined["a"], self._scale())
+        ends = np.cumsum([ad["a"].shape[-1] for ad in adapters])[:-1]
+        return [{"xa": part, "b": ad["b"]}
+                for part, ad in zip(jnp.split(xa, ends, axis=-1), adapters)]
+
+    def many(self, names, x: jax.Array) -> list[jax.Array]:
+        """[proj(name, x) for name in names], the kernels' x @ A terms in one product where
+        their A matrices are joined."""
+        if not all(self._fused(n, x) for n in names):
+            return [self(n, x) for n in names]
+        return [self.numerics.save(self.numerics.nf4_linear(
+            x, self.lp[n]["kernel"], ad, scale=self._scale()), "projection")
+            for n, ad in zip(names, self._kernel_adapters(tuple(names), x))]
+
     def swiglu(self, x: jax.Array) -> jax.Array:
-        if self._fused("gate_proj", x) and self._fused("up_proj", x):
+        names = ("gate_proj", "up_proj")
+        if all(self._fused(n, x) for n in names):
+            gate, up = self._kernel_adapters(names, x)
             return self.numerics.nf4_linear(
-                x, self.lp["gate_proj"]["kernel"], self._adapter("gate_proj"),
-                scale=self._scale(), up=self.lp["up_proj"]["kernel"],
-                up_adapter=self._adapter("up_proj"))
+                x, self.lp["gate_proj"]["kernel"], gate, scale=self._scale(),
+                up=self.lp["up_proj"]["kernel"], up_adapter=up)
         return swiglu(self("gate_proj", x), self("up_proj", x))
 
 
@@ -127,9 +152,10 @@ def attention_mask(attn_mask: jax.Array, t: int, start: jax.Array) -> jax.Array:
 def _qkv(x, proj, lp, rope, spec: ModelSpec):
     """q [B, T, H, D] and k, v [B, T, K, D] of normed hidden states x [B, T, E], roped."""
     b, t, _ = x.shape
-    q = proj("q_proj", x).reshape(b, t, spec.num_heads, spec.head_dim)
-    k = proj("k_proj", x).reshape(b, t, spec.num_kv_heads, spec.head_dim)
-    v = proj("v_proj", x).reshape(b, t, spec.num_kv_heads, spec.head_dim)
+    q, k, v = proj.many(("q_proj", "k_proj", "v_proj"), x)
+    q = q.reshape(b, t, spec.num_heads, spec.head_dim)
+    k = k.reshape(b, t, spec.num_kv_heads, spec.head_dim)
+    v = v.reshape(b, t, spec.num_kv_heads, spec.head_dim)
     if spec.qk_norm:
         q = rms_norm(q, lp["q_norm"]["scale"], spec.rms_norm_eps)
         k = rms_norm(k, lp["k_norm"]["scale"], spec.rms_norm_eps)

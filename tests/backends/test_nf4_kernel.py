@@ -121,22 +121,24 @@ def test_swiglu_matches_reference(m, dtype, mode, scales, loras):
 
 
 def test_split_k_sums_the_parts_before_the_epilogue():
-    """Three steps of I in 2 parts (2 + 1 steps) and in 3 (one each); the LoRA term and
-    SwiGLU follow the sum."""
+    """Three steps of I in 2 parts (2 + 1 steps) and in 3 (one each); the LoRA term (B
+    stacked for gate, one layer's for up) and SwiGLU follow the sum."""
     q, up = stacked("nf4", "dq"), stacked("nf4", "f32", seed=1)
     x, lora = inputs(5, BF16)
+    _, up_lora = inputs(5, BF16, seed=3, stacked_b=False)
 
     @fast
-    def run(x, lora):
+    def run(x, lora, up_lora):
         got = [f(split_k=k) for k in (2, 3) for f in (
             functools.partial(nf4_matmul, x, q, jnp.int32(0), lora=lora, interpret=True),
             functools.partial(nf4_swiglu, x, q, up, jnp.int32(1), gate_lora=lora,
-                              interpret=True))]
+                              up_lora=up_lora, interpret=True))]
         want = [nf4_matmul_reference(x, q, jnp.int32(0), lora=lora),
-                nf4_swiglu_reference(x, q, up, jnp.int32(1), gate_lora=lora)]
+                nf4_swiglu_reference(x, q, up, jnp.int32(1), gate_lora=lora,
+                                     up_lora=up_lora)]
         return got, want * 2
 
-    for y, want in zip(*run(x, lora)):
+    for y, want in zip(*run(x, lora, up_lora)):
         assert_close(y, want, BF16)
 
 
@@ -290,16 +292,21 @@ def test_lowers_for_cuda_reading_the_stack_in_place(m, n_in, n_out, double_quant
     assert (nf4_gpu.default_tiles(m, n_in, n_out, 64).split_k > 1) == (m <= 16)
 
 
-def test_lowers_for_cuda_with_a_stacked_b_under_split_k():
-    """Under split-K the LoRA runs in XLA after the sum: a stacked B is then indexed there (a
-    [r, O] slice), never the codes."""
+def test_lowers_for_cuda_with_the_lora_in_the_kernel_under_split_k():
+    """Under split-K the LoRA product is computed in the kernel too: outside the one Triton
+    call the module holds no dot and no slice (a stacked B is read at the layer in the
+    kernel), for a matmul and a SwiGLU with stacked and one-layer Bs."""
     sds = jax.ShapeDtypeStruct
     q = spec_of(4, 256, 512)
-    module = cuda_module(lambda x, q, layer, xa, b: nf4_matmul(
-        x, q, layer, lora=(xa, b), block_k=128, split_k=2),
-                         sds((1, 256), BF16), q, sds((), jnp.int32), sds((1, 8), BF16),
-                         sds((4, 8, 512), BF16))
-    assert len(triton_calls(module)) == 1
-    slices = [line for line in module.splitlines() if "slice" in line]
-    assert slices and not any("ui8" in line for line in slices)
+    x, layer, xa = sds((1, 256), BF16), sds((), jnp.int32), sds((1, 8), BF16)
+    b_stack, b_one = sds((4, 8, 512), BF16), sds((8, 512), BF16)
+    matmul = cuda_module(lambda x, q, layer, xa, b: nf4_matmul(
+        x, q, layer, lora=(xa, b), block_k=128, split_k=2), x, q, layer, xa, b_stack)
+    swiglu = cuda_module(lambda x, g, u, layer, xa, bg, bu: nf4_swiglu(
+        x, g, u, layer, gate_lora=(xa, bg), up_lora=(xa, bu), block_k=128, split_k=2),
+                         x, q, q, layer, xa, b_stack, b_one)
+    for module in (matmul, swiglu):
+        assert len(triton_calls(module)) == 1
+        assert module.count("stablehlo.dot_general") == 0
+        assert "slice" not in module
     assert nf4_gpu.default_tiles(1, 256, 512, 64).split_k == 1  # one step of I: nothing to split
