@@ -85,7 +85,7 @@ collect_accelerator_tests() {  # the tiny form: the selection exists and imports
 
 forms=block,split,kernels,dense
 report() {  # the figures so far as OUT_DIR/accelerator_check.{json,md}
-  python -c 'import sys; from jaxrl.bench.lowered import write_check_report
+  python -c 'import sys; from jaxrl.bench.decode_forms import write_check_report
 write_check_report(sys.argv[1])' "$out"
 }
 

@@ -53,7 +53,7 @@ def main() -> int:
     import jax
 
     from jaxrl.backends.numerics import numerics_for
-    from jaxrl.bench import lowered
+    from jaxrl.bench import decode_forms, lowered
     from jaxrl.hf.loader import architecture
 
     spec = architecture(args.model)
@@ -67,9 +67,9 @@ def main() -> int:
         platform = lowered.target_platform(target)
         base = numerics_for(platform)
         if forms == ["platform"]:
-            chosen = [lowered.Form("platform", base, args.quant)]
+            chosen = [decode_forms.Form("platform", base, args.quant)]
         else:
-            chosen = lowered.decode_forms(base, forms, interpret=platform == "cpu")
+            chosen = decode_forms.decode_forms(base, forms, interpret=platform == "cpu")
         for form in chosen:
             if form.name == "kernels" and platform == "tpu":
                 print(f"{form.name:8} {target}: left out (the kernels are GPU kernels)")

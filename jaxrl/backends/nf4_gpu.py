@@ -408,13 +408,6 @@ def nf4_swiglu_reference(x: jax.Array, gate: QTensor, up: QTensor, layer, *, gat
     return swiglu(g, u)
 
 
-def lora_xa(x: jax.Array, a: jax.Array, scale: float) -> jax.Array:
-    """The kernels' xa operand: scale * (x @ A) [M, r], summed in float32 and rounded to x's
-    dtype, as `jaxrl.lora.lora.lora_delta` rounds it; a: one layer's [I, r]."""
-    xa = jnp.einsum("mi,ir->mr", x, a.astype(x.dtype), preferred_element_type=jnp.float32)
-    return (scale * xa).astype(x.dtype)
-
-
 # -- differentiable entry points -------------------------------------------------------------
 def _zero_cotangent(a):
     if a is None:
@@ -477,8 +470,9 @@ def nf4_matmul(x: jax.Array, q: QTensor, layer, *, lora=None, dtype=None,
     layer's codes and scales in place (module docstring: reading and rounding).
 
     layer: an int32 scalar, traced or not, clamped to [0, L). lora: None or (xa, b), xa the
-    scaled, rounded [M, r] product (`lora_xa`) with M the rows of x flattened, b one layer's
-    [r, O] or the stack [L, r, O] (read at `layer` in the kernel); both taken in x's dtype.
+    scaled, rounded [M, r] product (`jaxrl.lora.lora.scaled_xa`) with M the rows of x
+    flattened, b one layer's [r, O] or the stack [L, r, O] (read at `layer` in the kernel);
+    both taken in x's dtype.
     Modes nf4 and int4; scales float32, bfloat16 or double-quantized; block_size a power of
     two. Tile options left None take `default_tiles`. interpret: run the kernel in Pallas
     interpret mode (any backend)."""

@@ -40,6 +40,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxrl.backends import cpu
+from jaxrl.lora.lora import scaled_xa
 from jaxrl.quant.nf4 import QTensor
 from jaxrl.quant.qmatmul import FORMS, qmatmul
 
@@ -143,8 +144,8 @@ class Numerics:
         low-rank product rounded as `jaxrl.lora.lora.lora_delta` rounds it. With `up` (and
         up_adapter): swiglu(gate, up) of the gate projection `kernel` and the up projection,
         in one kernel; an adapter may carry its x @ A term already ({"xa", "b"}, from
-        `low_rank_inputs` of joined A matrices, `hold_adapters`). Differentiable (the backward
-        is the XLA reference's)."""
+        `jaxrl.lora.lora.scaled_xa` of joined A matrices, `hold_adapters`). Differentiable
+        (the backward is the XLA reference's)."""
         from jaxrl.backends import nf4_gpu
 
         lead, n_in = x.shape[:-1], x.shape[-1]
@@ -153,9 +154,9 @@ class Numerics:
         def low_rank(ad):
             if ad is None:
                 return None
-            if "xa" in ad:  # computed with other adapters' (`low_rank_inputs`)
+            if "xa" in ad:  # computed with other adapters' (joined A)
                 return ad["xa"].reshape(-1, ad["xa"].shape[-1]), ad["b"].astype(x.dtype)
-            return low_rank_inputs(x2, ad["a"], scale), ad["b"].astype(x.dtype)
+            return scaled_xa(x2, ad["a"], scale), ad["b"].astype(x.dtype)
 
         if up is None:
             y = nf4_gpu.nf4_matmul(x2, kernel.stack, kernel.layer, lora=low_rank(adapter),
@@ -263,13 +264,6 @@ JOINED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 def joined_name(group) -> str:
     return "+".join(group)
-
-
-def low_rank_inputs(x: jax.Array, a: jax.Array, scale: float) -> jax.Array:
-    """scale * x @ A [..., r], summed in float32 and rounded to x's dtype, as
-    `jaxrl.lora.lora.lora_delta` rounds it before B."""
-    xa = jnp.einsum("...i,ir->...r", x, a.astype(x.dtype), preferred_element_type=jnp.float32)
-    return (scale * xa).astype(x.dtype)
 
 
 def dense(x):

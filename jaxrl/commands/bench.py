@@ -31,7 +31,7 @@ rows decode their full length.
           kernels (the Pallas NF4 and attention kernels, a fixed chunk; where this tree's
           numerics has them), dense (the platform's numerics with dense kernels); default: the
           platform's numerics on the run's layout. Each row has the bytes a step must move
-          (weights as stored, adapter, filled cache columns: jaxrl/bench/lowered.py) and their
+          (weights as stored, adapter, filled cache columns: jaxrl/bench/decode_forms.py) and their
           share of peak bandwidth; --structure adds the program's structural counts (dots,
           custom calls and fusions per layer, loops, conditionals, host transfers). A case whose
           cache and params need more than the device's memory is skipped. One device.
@@ -205,7 +205,7 @@ def _capacities(args, cfg) -> list[int]:
 def _forms(args) -> list[str] | None:
     if args.forms is None:
         return None
-    from jaxrl.bench.lowered import FORMS
+    from jaxrl.bench.decode_forms import FORMS
 
     forms = args.forms.split(",")
     for form in forms:
@@ -330,13 +330,13 @@ def _finish(args, info: dict, rows: list[dict]) -> int:
 
 def _decode(args, cfg, info: dict, peaks) -> list[dict]:
     """`jaxrl bench decode`: the forms' params loaded (random or a checkpoint's, as
-    `load_subject` loads them), then `jaxrl.bench.lowered.time_forms`."""
+    `load_subject` loads them), then `jaxrl.bench.decode_forms.time_forms`."""
     import dataclasses
 
     import jax
 
     from jaxrl.backends.numerics import numerics_of
-    from jaxrl.bench import lowered
+    from jaxrl.bench import decode_forms
     from jaxrl.bench.subject import is_checkpoint
     from jaxrl.devices import device_memory
     from jaxrl.hf.loader import load_model
@@ -360,11 +360,11 @@ def _decode(args, cfg, info: dict, peaks) -> list[dict]:
     if names is None:  # the run's layout and the platform's numerics
         model = load(cfg.quant)
         quantized = cfg.quant.mode != "none" and base.dequantize_strategy(cfg.quant) != "once"
-        form = lowered.Form("platform", dataclasses.replace(base, **overrides),
+        form = decode_forms.Form("platform", dataclasses.replace(base, **overrides),
                             "nf4" if quantized else "dense")
         forms, params[form.quant] = [form], model.params
     else:
-        forms = lowered.decode_forms(base, names, overrides)
+        forms = decode_forms.decode_forms(base, names, overrides)
         for quant in {f.quant for f in forms}:
             strategy = "per_layer" if quant == "nf4" else "once"
             model = load(dataclasses.replace(cfg.quant, dequantize=strategy)
@@ -387,9 +387,9 @@ def _decode(args, cfg, info: dict, peaks) -> list[dict]:
         return " ".join(parts + list(args.overrides))
 
     def trace(batch, columns, form):
-        return lowered.traced_into(Path(args.profile) / f"b{batch}-c{columns}-{form}")
+        return decode_forms.traced_into(Path(args.profile) / f"b{batch}-c{columns}-{form}")
 
-    return lowered.time_forms(
+    return decode_forms.time_forms(
         spec, forms, params, lora, batches=_batches(args, cfg),
         capacities=_capacities(args, cfg), fill=args.fill, steps=args.steps,
         repeats=args.repeats, seed=cfg.run.seed, device_memory=capacity, peaks=peaks,

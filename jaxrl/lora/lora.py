@@ -61,10 +61,16 @@ def lora_delta(x: jax.Array, ab: dict[str, jax.Array], scale: float,
     return _low_rank(x, ab["a"], ab["b"], scale)
 
 
-def _low_rank_fwd(x, a, b, scale):
-    """scale is applied to the small [tokens, r] product, never to a [tokens, out] array."""
+def scaled_xa(x: jax.Array, a: jax.Array, scale: float) -> jax.Array:
+    """scale * x @ A [..., r] of x [..., in] and A [in, r], summed in float32 and rounded to
+    x's dtype: the low-rank product's first half, scaled on the small [tokens, r] product,
+    never on a [tokens, out] array."""
     xa = jnp.einsum("...i,ir->...r", x, a.astype(x.dtype), preferred_element_type=jnp.float32)
-    xa = (scale * xa).astype(x.dtype)
+    return (scale * xa).astype(x.dtype)
+
+
+def _low_rank_fwd(x, a, b, scale):
+    xa = scaled_xa(x, a, scale)
     y = jnp.einsum("...r,ro->...o", xa, b.astype(x.dtype), preferred_element_type=jnp.float32)
     return y.astype(x.dtype), (x, a, b, xa)
 

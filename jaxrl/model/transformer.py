@@ -19,9 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl.backends.numerics import (REFERENCE, AtLayer, Numerics, dense_tree, joined_name,
-                                    low_rank_inputs)
-from jaxrl.lora.lora import Lora, lora_delta
+from jaxrl.backends.numerics import REFERENCE, AtLayer, Numerics, dense_tree, joined_name
+from jaxrl.lora.lora import Lora, lora_delta, scaled_xa
 from jaxrl.model.attention import apply_rope, attend, attend_filled, rope_tables
 from jaxrl.model.families import ModelSpec
 from jaxrl.model.kv_cache import KVCache, write_tokens
@@ -117,7 +116,7 @@ class projector:
         joined = self._adapter(joined_name(names))
         if joined is None:
             return adapters
-        xa = low_rank_inputs(x, joined["a"], self._scale())
+        xa = scaled_xa(x, joined["a"], self._scale())
         ends = np.cumsum([ad["a"].shape[-1] for ad in adapters])[:-1]
         return [{"xa": part, "b": ad["b"]}
                 for part, ad in zip(jnp.split(xa, ends, axis=-1), adapters)]
@@ -210,9 +209,9 @@ def _filled_attention(kernel, kv: AtLayer, index: jax.Array, prefix_index: jax.A
     caches kv.stack (keys, values[, the prefix's keys, values]): row b's [0, index[b]), and its
     block's prefix columns [0, prefix_index[b / R])."""
     def attention(q, k, v):
-        cache, stack = (kv.stack[0], kv.stack[1], kv.layer), kv.stack
-        prefix = None if prefix_index is None else (stack[2], stack[3], kv.layer, prefix_index)
-        out = attend_filled(q, k, v, kernel, (*cache, index), prefix)
+        stack, layer = kv.stack, kv.layer
+        prefix = None if prefix_index is None else (stack[2], stack[3], layer, prefix_index)
+        out = attend_filled(q, k, v, kernel, (stack[0], stack[1], layer, index), prefix)
         return out, (k, v)
     return attention
 

@@ -11,12 +11,12 @@ import pytest
 from jaxrl.backends import nf4_gpu
 from jaxrl.backends.nf4_gpu import (
     TRITON_CALL_TARGET,
-    lora_xa,
     nf4_matmul,
     nf4_matmul_reference,
     nf4_swiglu,
     nf4_swiglu_reference,
 )
+from jaxrl.lora.lora import scaled_xa
 from jaxrl.quant.nf4 import QTensor, quantize_np
 
 BF16, F32 = jnp.bfloat16, jnp.float32
@@ -44,7 +44,7 @@ def inputs(m: int, dtype, seed: int = 1, n_in: int = I, n_out: int = O, stacked_
     a = jnp.asarray(rng.standard_normal((n_in, R)) / np.sqrt(n_in), dtype)
     b_shape = (L, R, n_out) if stacked_b else (R, n_out)
     b = jnp.asarray(rng.standard_normal(b_shape), dtype)
-    return x, (lora_xa(x, a, 2.0), b)
+    return x, (scaled_xa(x, a, 2.0), b)
 
 
 def fast(fn):

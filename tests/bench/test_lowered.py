@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxrl.backends.numerics import numerics_for
-from jaxrl.bench import lowered
+from jaxrl.bench import decode_forms, lowered
 from jaxrl.cli import main
 from jaxrl.commands.bench import numerics_overrides
 from jaxrl.config import UsageError
@@ -30,7 +30,7 @@ def _structure(numerics, target="cpu", quant="nf4"):
 
 def _interpreted(numerics):
     """numerics with its Pallas kernels (if any) in interpret mode, as a CPU runs them."""
-    return lowered._replace(numerics, {"interpret": True}) or numerics
+    return decode_forms._replace(numerics, {"interpret": True}) or numerics
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,7 @@ def counts():
     interpreted) lowered for the CPU (compiled); the GPU's exported for CUDA; the GPU's XLA split
     form both ways; dense kernels under either platform's numerics."""
     cpu, gpu = numerics_for("cpu"), numerics_for("gpu")
-    split = {f.name: f for f in lowered.decode_forms(gpu, interpret=False)}["split"].numerics
+    split = {f.name: f for f in decode_forms.decode_forms(gpu, interpret=False)}["split"].numerics
     return {"cpu": _structure(cpu), "gpu on cpu": _structure(_interpreted(gpu)),
             "gpu on cuda": _structure(gpu, "cuda"),
             "split on cpu": _structure(split), "split on cuda": _structure(split, "cuda"),
@@ -89,7 +89,7 @@ def test_cuda_export_from_this_host_gives_the_cpu_lowerings_layer(counts):
 
 def test_the_nf4_forms_lower_for_cuda_and_the_kernels_are_custom_calls():
     gpu = numerics_for("gpu")
-    forms = {f.name: f for f in lowered.decode_forms(gpu, interpret=False)}
+    forms = {f.name: f for f in decode_forms.decode_forms(gpu, interpret=False)}
     layers = {}
     for name in ("block", "split"):
         layers[name] = _structure(forms[name].numerics, "cuda")["layer"]
@@ -132,7 +132,7 @@ def test_step_bytes_by_hand():
     gpu, cpu = numerics_for("gpu"), numerics_for("cpu")
     dense_case = lowered.DecodeCase(SPEC, gpu, 2, 32, "dense", 4, 2)
     slots, params, lora = lowered.abstract_inputs(dense_case)
-    got = lowered.step_bytes(SPEC, params, lora, slots=2, filled=10,
+    got = decode_forms.step_bytes(SPEC, params, lora, slots=2, filled=10,
                              cache_dtype=slots.cache.k.dtype)
     # dense bf16: embedding 256*64 (it is the head), final norm 64, per layer norms 64 + 64 +
     # q/k norms 16 + 16 and kernels q 64*64, k and v 64*32, o 64*64, gate and up 64*128, down
@@ -152,7 +152,7 @@ def test_step_bytes_by_hand():
     # norms (16,768 values) = 38,128 + 33,536
     nf4_case = lowered.DecodeCase(SPEC, cpu, 2, 32, "nf4", 4, 2)
     slots, params, lora = lowered.abstract_inputs(nf4_case)
-    got = lowered.step_bytes(SPEC, params, lora, slots=2, filled=10,
+    got = decode_forms.step_bytes(SPEC, params, lora, slots=2, filled=10,
                              cache_dtype=slots.cache.k.dtype)
     assert got.weights == 71_664 and got.adapter == 16_384
     assert (got.cache_read, got.cache_write) == (10_240, 1_024)  # the CPU's float32 cache
@@ -160,25 +160,25 @@ def test_step_bytes_by_hand():
     untied = spec_from_hf_config({**TINY, "tie_word_embeddings": False})
     case = lowered.DecodeCase(untied, gpu, 2, 32, "dense", 4, 2)
     slots, params, lora = lowered.abstract_inputs(case)
-    got = lowered.step_bytes(untied, params, lora, slots=2, filled=10, cache_dtype=jnp.bfloat16)
+    got = decode_forms.step_bytes(untied, params, lora, slots=2, filled=10, cache_dtype=jnp.bfloat16)
     assert got.weights == 180_992  # the LM head [64, 256] replaces the table as read
     # 1e9 bytes in 1 ms on an H100 SXM (3.35 TB/s): 1e12 B/s, 29.85% of its peak
-    assert lowered.bandwidth_share(1e9, 1e-3, "NVIDIA H100 80GB HBM3") == pytest.approx(
+    assert decode_forms.bandwidth_share(1e9, 1e-3, "NVIDIA H100 80GB HBM3") == pytest.approx(
         1 / 3.35)
-    assert lowered.bandwidth_share(1e9, 1e-3, "NVIDIA H200") == pytest.approx(1 / 4.8)
-    assert lowered.bandwidth_share(1e9, 1e-3, "Mystery accelerator") is None
+    assert decode_forms.bandwidth_share(1e9, 1e-3, "NVIDIA H200") == pytest.approx(1 / 4.8)
+    assert decode_forms.bandwidth_share(1e9, 1e-3, "Mystery accelerator") is None
 
 
 def test_decode_forms_set_their_fields_and_dense_keeps_the_platforms():
     gpu = numerics_for("gpu")
-    forms = {f.name: f for f in lowered.decode_forms(gpu, interpret=False)}
+    forms = {f.name: f for f in decode_forms.decode_forms(gpu, interpret=False)}
     assert forms["dense"].numerics == gpu and forms["dense"].quant == "dense"
     assert forms["block"].numerics.nf4_decode == "block" and forms["block"].quant == "nf4"
     assert forms["split"].numerics.nf4_decode == "split"
-    (only,) = lowered.decode_forms(gpu, ["split"], overrides={"nf4_many": "dense"})
+    (only,) = decode_forms.decode_forms(gpu, ["split"], overrides={"nf4_many": "dense"})
     assert (only.numerics.nf4_decode, only.numerics.nf4_many) == ("split", "dense")
     with pytest.raises(ValueError, match="not one of"):
-        lowered.decode_forms(gpu, ["fastest"])
+        decode_forms.decode_forms(gpu, ["fastest"])
 
 
 def test_numerics_overrides_are_parsed_and_checked():
@@ -212,7 +212,7 @@ def test_bench_decode_times_forms_in_turn_and_writes_rows(tmp_path, capsys):
         assert r["bytes"]["cache_read"] == 2 * 16 * 2 * 2 * 2 * 16 * 4
     nf4, dense = rows
     assert nf4["bytes"]["weights"] == 71_664 and dense["bytes"]["weights"] == 180_992
-    markdown = lowered.markdown_rows(rows, "1 x cpu", jax.__version__)
+    markdown = decode_forms.markdown_rows(rows, "1 x cpu", jax.__version__)
     assert markdown.count("`jaxrl bench decode") == 2 and "| split | 2 | 32 | 16 |" in markdown
     assert main(["bench", "decode", "--forms", "fastest", f"model.path={model}"]) == 2
     assert main(["bench", "step", "--numerics", "nf4_decode=block", f"model.path={model}"]) == 2
@@ -226,7 +226,7 @@ def test_the_check_report_reads_what_the_steps_wrote(tmp_path):
     (tmp_path / "profile.jsonl").write_text(json.dumps(
         {**row, "profile": {"per_layer_step": 12.0, "idle_share": 0.25}}) + "\n")
     (tmp_path / "commands.tsv").write_text("structure\tpython tools/decode_structure.py\n")
-    report, markdown = lowered.check_report(tmp_path)
+    report, markdown = decode_forms.check_report(tmp_path)
     assert report["device"] == "1 x NVIDIA H200" and report["jax"] == "0.11.2"
     assert ("| 1 x NVIDIA H200 | 0.11.2 | `jaxrl bench decode` | split | 32 | 2048 | 1024 | "
             "20.000 | 48.0 | 50.0% |") in markdown
