@@ -215,11 +215,12 @@ class Numerics:
         if lora is None:
             return None
         weights = jax.tree_util.tree_map(lambda a: a.astype(dtype), lora.weights)
-        layers = cpu.hold(weights["layers"]) if self.hold_bits else weights["layers"]
+        layers = weights["layers"]
         if self.in_place_layers:  # the kernels' x @ A of a group of linears in one product
             layers = {**layers, **{joined_name(group): {
                 "a": jnp.concatenate([layers[n]["a"] for n in group], axis=-1)}
                 for group in JOINED if all(n in layers for n in group)}}
+        layers = cpu.hold(layers) if self.hold_bits else layers
         return lora.replace(weights={**weights, "layers": layers})
 
     def cache_dtype(self, dtype):

@@ -44,3 +44,19 @@ def test_a_decode_step_through_the_kernels_equals_the_reference(shared):
     np.testing.assert_allclose(h, want_h, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(new.k, want_new.k, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(new.index, want_new.index)
+
+
+def test_sampling_adapters_join_a_before_the_cpu_holds_them_as_bits():
+    """The kernels' joined A matrices are made from the adapters' arrays, then held as the
+    numerics holds every bfloat16 layer weight (the CPU: as bits), not joined from held
+    leaves."""
+    from jaxrl.backends.numerics import dense_tree
+
+    _, lora = quantized_model()
+    numerics = dataclasses.replace(numerics_for("cpu"), nf4_decode="kernel",
+                                   attention="pallas_gpu", interpret=True)
+    held = numerics.hold_adapters(lora, jnp.bfloat16).weights["layers"]
+    joined = dense_tree(held)["q_proj+k_proj+v_proj"]["a"]
+    layers = lora.weights["layers"]
+    want = jnp.concatenate([layers[n]["a"] for n in ("q_proj", "k_proj", "v_proj")], axis=-1)
+    np.testing.assert_array_equal(joined, want.astype(jnp.bfloat16))
