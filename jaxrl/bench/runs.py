@@ -32,7 +32,7 @@ from jaxrl.sampling.engine import Engine
 from jaxrl.sampling.programs import admit, generate, init_slots
 from jaxrl.sampling.requests import Request, row_keys
 from jaxrl.sampling.sampler import REFILL_CHUNK, sample, slot_layout
-from jaxrl.sampling.sampling_fns import Decoding, RowSettings
+from jaxrl.sampling.sampling_fns import Decoding, Features, RowSettings
 from jaxrl.sharding import place
 
 
@@ -84,7 +84,10 @@ def sample_batch(subject: Subject, batch: int, prompt_tokens: int, repeats: int,
                               capacity=capacity, share=share,
                               prompt_capacity=bucket(prompt_tokens), shardings=rules,
                               numerics=subject.numerics)
-    static = dict(spec=spec, eos_ids=(), shardings=rules, numerics=subject.numerics)
+    # the sampling parts the engine's programs hold for rows of the run's setting
+    features = Features.of([Decoding.from_config(cfg.sampling)])
+    static = dict(spec=spec, eos_ids=(), shardings=rules, numerics=subject.numerics,
+                  features=features)
     inputs = _admit_inputs(subject, batch, prompt_tokens, slots, share)
     start = time.perf_counter()
     admit_c = admit.lower(empty(), subject.params, subject.lora, *inputs, **static).compile()
