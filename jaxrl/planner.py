@@ -165,7 +165,7 @@ def lower_prefill(cfg, spec, rules, run: AbstractRun):
     settings = jax.tree_util.tree_map(lambda a: sds(a.shape, a.dtype),
                                       RowSettings.of([Decoding()] * slots))
     return admit.lower(state, run.params, run.lora, sds((u, p), jnp.int32), sds((u,), jnp.int32),
-                       sds(m, jnp.int32), sds(m, jnp.int32), sds((slots, 2), jnp.uint32),
+                       sds((u,), jnp.int32), sds(m, jnp.int32), sds(m, jnp.int32), sds((slots, 2), jnp.uint32),
                        settings, sds(m, jnp.int32), spec=spec,
                        eos_ids=spec.eos_token_ids or (0,), shardings=rules,
                        numerics=run.numerics)

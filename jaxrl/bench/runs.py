@@ -29,6 +29,7 @@ from jaxrl.rl.session import make_trainer, prompt_share_limit, reference_program
 from jaxrl.rl.train_step import compile_train_step, make_optimizer
 from jaxrl.sampling.buckets import bucket
 from jaxrl.sampling.engine import Engine
+from jaxrl.lora.adapters import AdapterSet
 from jaxrl.sampling.programs import admit, generate, init_slots
 from jaxrl.sampling.requests import Request, row_keys
 from jaxrl.sampling.sampler import REFILL_CHUNK, sample, slot_layout
@@ -49,34 +50,50 @@ def _timed(fn):
 
 
 def _admit_inputs(subject: Subject, batch: int, prompt_tokens: int, slots: int,
-                  share: int = 1):
+                  share: int = 1, adapters: int = 0):
     """Arguments of `admit` filling `batch` slots from batch / share distinct random prompts,
-    each filling `share` consecutive slots (a block, when the slots share prompts)."""
+    each filling `share` consecutive slots (a block, when the slots share prompts); with
+    `adapters` > 0, prompt i under adapter index 1 + i % adapters."""
     distinct = batch // share
     u, width = bucket(distinct, minimum=1), bucket(prompt_tokens)
     m = u * share
     prompts = np.zeros((u, width), np.int32)
     prompts[:distinct, :prompt_tokens] = random_prompts(subject.spec, [prompt_tokens] * distinct)
     lengths = np.asarray([prompt_tokens] * distinct + [1] * (u - distinct), np.int32)
+    adapter = (1 + np.arange(u) % adapters if adapters else np.zeros(u)).astype(np.int32)
     pad = m - batch
     rows = (np.asarray([i // share for i in range(batch)] + [0] * pad, np.int32),  # src
             np.asarray(list(range(batch)) + [slots] * pad, np.int32),  # dst: pads dropped
             row_keys(jax.random.PRNGKey(subject.cfg.run.seed), range(m)),
             RowSettings.of([Decoding.from_config(subject.cfg.sampling)] * m),
             np.asarray([subject.cfg.sampling.max_new_tokens] * batch + [1] * pad, np.int32))
-    data = (prompts, lengths, *rows)
+    data = (prompts, lengths, adapter, *rows)
     return data if subject.rules is None else distributed.rows_to_global(subject.rules, data)
 
 
+def adapter_set(subject: Subject, n: int) -> AdapterSet:
+    """The subject's adapter and n - 1 others like it (B scaled by 1 + i / n, so each row's
+    term differs) as an `AdapterSet`, for decoding rows of n adapters in one batch."""
+    def scaled(i):
+        layers = {t: {"a": ab["a"], "b": ab["b"] * (1 + i / n)}
+                  for t, ab in subject.lora.weights["layers"].items()}
+        return subject.lora.replace(weights={"layers": layers})
+    return AdapterSet.of([scaled(i) for i in range(n)])
+
+
 def sample_batch(subject: Subject, batch: int, prompt_tokens: int, repeats: int, peaks,
-                 group: int = 1, trace=contextlib.nullcontext) -> dict:
+                 group: int = 1, trace=contextlib.nullcontext, adapters: int = 0) -> dict:
     """Prefill and decode of `batch` rows through the engine's programs (`admit` of distinct
     prompts of `prompt_tokens` tokens, each the prompt of `group` rows, then `generate` to
     sampling.max_new_tokens): compile times, median times over `repeats` calls after a
     warm-up one, and their limits. Groups decode in blocks of slots sharing their prompt's
     cache, as `sample` lays them out (group 1: every row its own prompt). The last call runs
-    inside `trace()` (a profile, `jaxrl.bench.profile.traced`)."""
+    inside `trace()` (a profile, `jaxrl.bench.profile.traced`). adapters > 0: the rows
+    decode with `adapter_set(subject, adapters)`, prompt i's under adapter 1 + i % adapters,
+    as a server or a local judge mixes them (0: the subject's one adapter, the rollout's
+    form)."""
     cfg, spec, rules = subject.cfg, subject.spec, subject.rules
+    lora = adapter_set(subject, adapters) if adapters else subject.lora
     n = cfg.sampling.max_new_tokens
     slots, share = slot_layout(batch, group, 0, rules.batch_ways if rules else 1)
     capacity = bucket(prompt_tokens) + bucket(n)
@@ -88,20 +105,19 @@ def sample_batch(subject: Subject, batch: int, prompt_tokens: int, repeats: int,
     features = Features.of([Decoding.from_config(cfg.sampling)])
     static = dict(spec=spec, eos_ids=(), shardings=rules, numerics=subject.numerics,
                   features=features)
-    inputs = _admit_inputs(subject, batch, prompt_tokens, slots, share)
+    inputs = _admit_inputs(subject, batch, prompt_tokens, slots, share, adapters)
     start = time.perf_counter()
-    admit_c = admit.lower(empty(), subject.params, subject.lora, *inputs, **static).compile()
+    admit_c = admit.lower(empty(), subject.params, lora, *inputs, **static).compile()
     compiled_admit = time.perf_counter()
-    generate_c = generate.lower(empty(), subject.params, subject.lora, steps=bucket(n),
+    generate_c = generate.lower(empty(), subject.params, lora, steps=bucket(n),
                                 **static).compile()
     compile_s = {"admit": compiled_admit - start, "generate": time.perf_counter() - compiled_admit}
     prefill, decode = [], []
     for i in range(repeats + 1):
         with trace() if i == repeats else contextlib.nullcontext():
             (state, *_), t_prefill = _timed(lambda: admit_c(empty(), subject.params,
-                                                            subject.lora, *inputs))
-            (state, chunk), t_decode = _timed(lambda: generate_c(state, subject.params,
-                                                                 subject.lora))
+                                                            lora, *inputs))
+            (state, chunk), t_decode = _timed(lambda: generate_c(state, subject.params, lora))
         prefill.append(t_prefill)
         decode.append(t_decode)
     emitted = int(np.asarray(distributed.rows_to_local(chunk.emitted) if rules
@@ -110,7 +126,8 @@ def sample_batch(subject: Subject, batch: int, prompt_tokens: int, repeats: int,
     devices = len(rules.mesh.devices.flat) if rules else 1
     t_prefill, t_decode = statistics.median(prefill[1:]), statistics.median(decode[1:])
     step = t_decode / (n - 1)
-    return {"batch": batch, "group": share, "slots": slots, "prompt_tokens": prompt_tokens,
+    return {"batch": batch, "group": share, "slots": slots, "adapters": adapters,
+            "prompt_tokens": prompt_tokens,
             "new_tokens": n,
             "capacity": capacity, "compile_s": compile_s,
             "prefill_s": t_prefill, "prefill_tok_s": batch // share * prompt_tokens / t_prefill,

@@ -96,6 +96,10 @@ def register(sub) -> None:
     sample.add_argument("--group", type=int, default=1, metavar="G",
                         help="rows per prompt, decoded in blocks sharing its cache as GRPO's "
                         "groups are (1: a prompt per row)")
+    sample.add_argument("--adapters", type=int, default=0, metavar="N",
+                        help="decode rows of N adapters in one batch (row i: adapter i mod N), "
+                        "as a server or a local judge mixes them (0: one adapter, the "
+                        "rollout's form)")
     step = modes.add_parser("step", parents=[common], help="seconds per GRPO step by phase")
     step.add_argument("--steps", type=int, default=3, help="timed steps after the first (3)")
     step.add_argument("--compare-remat", metavar="P,P,...",
@@ -301,7 +305,7 @@ def _bench(args) -> int:
     print(_header(info, subject.spec))
     if args.mode == "sample":
         rows = [runs.sample_batch(subject, b, prompt_tokens, args.repeats, peaks, args.group,
-                                  _trace(args, b))
+                                  _trace(args, b), args.adapters)
                 for b in _batches(args, cfg)]
     elif args.mode == "step":
         rows = [runs.grpo_step(subject, args.steps, prompt_tokens, _policies(args),

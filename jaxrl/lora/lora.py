@@ -3,6 +3,11 @@
 Per target linear: A [L, in, r], B [L, r, out], output += scale * dropout(x) @ A @ B with
 scale = alpha / r. A starts as PEFT starts it (kaiming-uniform with a = sqrt(5), i.e.
 U(-1/sqrt(in), 1/sqrt(in))) and B at zero, so a fresh adapter leaves the model unchanged.
+
+Rows of several adapters (`Lora.rows`, made by `jaxrl.lora.adapters.AdapterSet.for_rows`): the
+adapters' A and B side by side along the rank, and per row a scale for each rank column (its
+adapter's scale in its own adapter's columns, 0 elsewhere), so one product gives every row its
+own adapter's term; a sampling form, not differentiated.
 """
 from __future__ import annotations
 
@@ -25,6 +30,9 @@ class Lora:
     weights: dict[str, Any]
     scale: float = struct.field(pytree_node=False)
     dropout: float = struct.field(pytree_node=False, default=0.0)
+    # [B, r] float32: per row, the scale of each rank column, in place of `scale` (module
+    # docstring: rows of several adapters); None: `scale` for every row
+    rows: jax.Array | None = None
 
     @property
     def targets(self) -> tuple[str, ...]:
@@ -34,6 +42,10 @@ class Lora:
     def rank(self) -> int:
         first = next(iter(self.weights["layers"].values()))
         return first["a"].shape[-1]
+
+    def scale_for(self, x: jax.Array):
+        """The scale of x [B, T, in]'s low-rank term: `scale`, or the rows' [B, 1, r]."""
+        return self.scale if self.rows is None else self.rows[:, None, :]
 
 
 def init_lora(spec: ModelSpec, key: jax.Array, *, rank: int, alpha: float,
@@ -52,19 +64,23 @@ def init_lora(spec: ModelSpec, key: jax.Array, *, rank: int, alpha: float,
     return Lora(weights={"layers": layers}, scale=alpha / rank, dropout=dropout)
 
 
-def lora_delta(x: jax.Array, ab: dict[str, jax.Array], scale: float,
+def lora_delta(x: jax.Array, ab: dict[str, jax.Array], scale,
                dropout: float = 0.0, rng: jax.Array | None = None) -> jax.Array:
-    """scale * dropout(x) @ A @ B for one layer's A [in, r], B [r, out]; x [..., in]."""
+    """scale * dropout(x) @ A @ B for one layer's A [in, r], B [r, out]; x [..., in]. scale: a
+    number, or per-row column scales broadcasting against x @ A (`Lora.scale_for`), then
+    forward only."""
     if dropout > 0.0 and rng is not None:
         keep = jax.random.bernoulli(rng, 1.0 - dropout, x.shape)
         x = jnp.where(keep, x / (1.0 - dropout), 0).astype(x.dtype)
+    if not isinstance(scale, (int, float)):
+        return _low_rank_fwd(x, ab["a"], ab["b"], scale)[0]
     return _low_rank(x, ab["a"], ab["b"], scale)
 
 
-def scaled_xa(x: jax.Array, a: jax.Array, scale: float) -> jax.Array:
+def scaled_xa(x: jax.Array, a: jax.Array, scale) -> jax.Array:
     """scale * x @ A [..., r] of x [..., in] and A [in, r], summed in float32 and rounded to
     x's dtype: the low-rank product's first half, scaled on the small [tokens, r] product,
-    never on a [tokens, out] array."""
+    never on a [tokens, out] array. scale: a number or an array broadcasting against it."""
     xa = jnp.einsum("...i,ir->...r", x, a.astype(x.dtype), preferred_element_type=jnp.float32)
     return (scale * xa).astype(x.dtype)
 

@@ -93,19 +93,28 @@ class projector:
         return (not dropout and "bias" not in self.lp[name]
                 and self.numerics.fuses(self.lp[name]["kernel"], x.shape[-2]))
 
-    def _scale(self) -> float:
-        return 1.0 if self.lora is None else self.lora.scale
+    def _scale(self, x: jax.Array):
+        """The low-rank term's scale for x [B, T, in]: a number, or per row (`Lora.rows`)."""
+        return 1.0 if self.lora is None else self.lora.scale_for(x)
+
+    def _for_kernel(self, ad, x: jax.Array):
+        """An adapter as the kernels take it: in the rows form with its x @ A term computed
+        here (the kernels scale by one number)."""
+        if ad is None or self.lora.rows is None or "xa" in ad:
+            return ad
+        return {"xa": scaled_xa(x, ad["a"], self._scale(x)), "b": ad["b"]}
 
     def __call__(self, name: str, x: jax.Array) -> jax.Array:
         numerics, ad = self.numerics, self._adapter(name)
         if self._fused(name, x):
-            y = numerics.nf4_linear(x, self.lp[name]["kernel"], ad, scale=self._scale())
+            y = numerics.nf4_linear(x, self.lp[name]["kernel"], self._for_kernel(ad, x),
+                                    scale=self._scale(x))
         else:
             y = linear(x, self.lp[name], numerics)
             if ad is not None:
                 key = (None if self.rng is None
                        else jax.random.fold_in(self.rng, LINEAR_NAMES.index(name)))
-                y = y + lora_delta(x, ad, self.lora.scale, self.lora.dropout, key)
+                y = y + lora_delta(x, ad, self._scale(x), self.lora.dropout, key)
         return numerics.save(y, "projection")
 
     def _kernel_adapters(self, names, x: jax.Array):
@@ -115,8 +124,11 @@ class projector:
         adapters = [self._adapter(n) for n in names]
         joined = self._adapter(joined_name(names))
         if joined is None:
-            return adapters
-        xa = scaled_xa(x, joined["a"], self._scale())
+            return [self._for_kernel(ad, x) for ad in adapters]
+        scale = self._scale(x)
+        if self.lora.rows is not None:  # each member's columns, side by side
+            scale = jnp.tile(scale, (1, 1, len(names)))
+        xa = scaled_xa(x, joined["a"], scale)
         ends = np.cumsum([ad["a"].shape[-1] for ad in adapters])[:-1]
         return [{"xa": part, "b": ad["b"]}
                 for part, ad in zip(jnp.split(xa, ends, axis=-1), adapters)]
@@ -127,7 +139,7 @@ class projector:
         if not all(self._fused(n, x) for n in names):
             return [self(n, x) for n in names]
         return [self.numerics.save(self.numerics.nf4_linear(
-            x, self.lp[n]["kernel"], ad, scale=self._scale()), "projection")
+            x, self.lp[n]["kernel"], ad, scale=self._scale(x)), "projection")
             for n, ad in zip(names, self._kernel_adapters(tuple(names), x))]
 
     def swiglu(self, x: jax.Array) -> jax.Array:
@@ -135,7 +147,7 @@ class projector:
         if all(self._fused(n, x) for n in names):
             gate, up = self._kernel_adapters(names, x)
             return self.numerics.nf4_linear(
-                x, self.lp["gate_proj"]["kernel"], gate, scale=self._scale(),
+                x, self.lp["gate_proj"]["kernel"], gate, scale=self._scale(x),
                 up=self.lp["up_proj"]["kernel"], up_adapter=up)
         return swiglu(self("gate_proj", x), self("up_proj", x))
 

@@ -20,6 +20,12 @@ ran that program with cover them, it takes the fewest of those; otherwise the ex
 run whose requests share one setting (a GRPO rollout) runs one features value, and a server
 with mixed settings a new one only when none it ran covers the requests in its slots, rather
 than one for every combination of settings its slots pass through.
+
+Adapters: an engine whose `lora` is an `AdapterSet` decodes each request with its own adapter
+(`Request.adapter`, 0: the base alone) in one batch: the slots carry their adapter indices as
+data, so any mix compiles nothing, and requests of any adapter fill any free slot. Prompts are
+prefilled once per (adapter, prompt). `lora` may be replaced between steps (a new policy
+adapter after an update) by one of the same structure; rows already decoding go on under it.
 """
 from __future__ import annotations
 
@@ -31,6 +37,7 @@ import numpy as np
 
 from jaxrl import distributed
 from jaxrl.backends.numerics import Numerics, numerics_of
+from jaxrl.lora.adapters import AdapterSet
 from jaxrl.lora.lora import Lora
 from jaxrl.model.families import ModelSpec
 from jaxrl.model.transformer import Params
@@ -56,7 +63,8 @@ class Engine:
 
     def __init__(self, params: Params, spec: ModelSpec, *, eos_ids: Sequence[int] = (),
                  slots: int = 16, capacity: int = 2048, chunk: int = 16,
-                 lora: Lora | None = None, shardings: MeshRules | None = None, share: int = 1,
+                 lora: Lora | AdapterSet | None = None, shardings: MeshRules | None = None,
+                 share: int = 1,
                  prompt_capacity: int = 0, numerics: Numerics | None = None):
         if slots < 1 or capacity < 2 or chunk < 1:
             raise ValueError(f"an engine needs slots >= 1, capacity >= 2 and chunk >= 1; got "
@@ -101,7 +109,7 @@ class Engine:
         """Queue `share` requests of one prompt to decode in one block of slots (with share 1:
         one request, as `submit`)."""
         requests = list(requests)
-        prompts = len({tuple(r.prompt) for r in requests})
+        prompts = len({(r.adapter, tuple(r.prompt)) for r in requests})
         if len(requests) != self.share or prompts != 1:
             raise ValueError(f"a group is {self.share} requests of one prompt; got "
                              f"{len(requests)} requests of {prompts} prompts")
@@ -115,11 +123,19 @@ class Engine:
                     f"engine's {self.capacity} cache columns (of which {self.prompt_capacity} "
                     f"hold a shared prompt); got a {n}-token prompt and max_new_tokens "
                     f"{request.max_new_tokens}")
+            self._check_adapter(request)
             if request.follows is not None or (request.hold and self.share > 1):
                 raise ValueError("requests decoded in blocks sharing a prompt cannot hold their "
                                  "slots or continue a conversation")
         self._queue.append(requests)
         return requests
+
+    def _check_adapter(self, request: Request) -> None:
+        n = len(self.lora) if isinstance(self.lora, AdapterSet) else 0
+        if not 0 <= request.adapter <= n:
+            raise ValueError(f"request adapter {request.adapter} is not one of this engine's: "
+                             + (f"0 (the base) to {n}" if n else "it holds one adapter (or "
+                                "none) that every request decodes with, adapter 0"))
 
     def _submit_continuation(self, request: Request) -> Request:
         held = request.follows
@@ -134,6 +150,7 @@ class Engine:
             raise ValueError(f"a continuation needs max_new_tokens >= 1 within the engine's "
                              f"{self.capacity} cache columns; its conversation would reach "
                              f"column {end} (max_new_tokens {request.max_new_tokens})")
+        request.adapter = held.adapter
         self._continuations.append(request)
         return request
 
@@ -169,9 +186,10 @@ class Engine:
                                          shardings=self.shardings, numerics=self.numerics,
                                          features=self._features("generate"))
             chunk, live = self._local((chunk, self.state.live))
-            self.stats.chunks += 1
-            self.stats.steps += int(chunk.emitted.any(axis=0).sum())
-            self.stats.tokens += int(chunk.emitted.sum())
+            adapters = np.zeros(self._local_slots, np.int64)
+            for slot, request in self._active.items():
+                adapters[slot - self._first] = request.adapter
+            self.stats.count_chunk(chunk.emitted, adapters)
             self._dispatch(chunk, live)
         return bool(distributed.host_max(int(self.busy())))
 
@@ -216,19 +234,20 @@ class Engine:
         blocks = [self._free.popleft() for _ in range(n)]
         self._busy.update((block, share) for block in blocks)
         dst = [block * share + i for block in blocks for i in range(share)]
-        distinct: dict[tuple[int, ...], int] = {}
-        src = [distinct.setdefault(tuple(q.prompt), len(distinct)) for q in take]
+        distinct: dict[tuple[int, tuple[int, ...]], int] = {}  # (adapter, prompt) -> row
+        src = [distinct.setdefault((q.adapter, tuple(q.prompt)), len(distinct)) for q in take]
         m = distributed.host_max(n)
         if m == 0:
             return
         u = self._rows(distributed.host_max(len(distinct)))
-        width = bucket(distributed.host_max(max((len(p) for p in distinct), default=1)))
+        width = bucket(distributed.host_max(max((len(p) for _, p in distinct), default=1)))
         if share > 1:  # the prefill's columns are the block's prompt columns
             width = min(width, self.prompt_capacity)
         m, n = self._rows(m) * share, n * share
         prompts, lengths = np.zeros((u, width), np.int32), np.ones((u,), np.int32)
-        for row, ids in enumerate(distinct):
-            prompts[row, :len(ids)], lengths[row] = ids, len(ids)
+        adapter = np.zeros((u,), np.int32)
+        for row, (index, ids) in enumerate(distinct):
+            prompts[row, :len(ids)], lengths[row], adapter[row] = ids, len(ids), index
         pad = m - n
         offset = distributed.local_rows(self.shardings,
                                         distributed.global_rows(self.shardings, u))[0]
@@ -239,12 +258,13 @@ class Engine:
                           + [np.zeros(2, np.uint32)] * pad),
             settings=RowSettings.of([r.decoding for r in take] + [Decoding()] * pad),
             budget=np.asarray([r.max_new_tokens for r in take] + [1] * pad, np.int32))
-        data = (prompts, lengths, rows)
+        data = (prompts, lengths, adapter, rows)
         if self.shardings is not None:
             data = distributed.rows_to_global(self.shardings, data)
-        prompts, lengths, rows = data
+        prompts, lengths, adapter, rows = data
         self.state, picked, done = admit(
-            self.state, self.params, self.lora, prompts, lengths, rows["src"], rows["dst"],
+            self.state, self.params, self.lora, prompts, lengths, adapter, rows["src"],
+            rows["dst"],
             rows["keys"], rows["settings"], rows["budget"], spec=self.spec,
             eos_ids=self.eos_ids, shardings=self.shardings, numerics=self.numerics,
             features=self._features("admit", take))

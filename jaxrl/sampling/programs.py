@@ -65,6 +65,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxrl.backends.numerics import REFERENCE, Numerics, Program
+from jaxrl.lora.adapters import AdapterSet
 from jaxrl.lora.lora import Lora
 from jaxrl.model.families import ModelSpec
 from jaxrl.model.kv_cache import KVCache, init_cache
@@ -88,6 +89,7 @@ class Slots:
     keys: jax.Array  # [S, 2] uint32
     settings: RowSettings  # [S] each
     history: History  # [S, V] each: what the penalties read
+    adapter: jax.Array  # [S] int32: the slot's adapter index (an `AdapterSet`'s; 0: the base)
     # With blocks of R slots sharing a prompt (module docstring): the prompts' cache
     # [L, S / R, K, P, D], index [S / R] their lengths; `cache` then holds each slot's own
     # tokens only, its column t the slot's t-th generated token. None: no sharing.
@@ -121,13 +123,19 @@ def decode_logits(params: Params, h: jax.Array, spec: ModelSpec, shardings: Mesh
     return head_logits(shardings, lm_logits(params, h, spec, numerics))
 
 
-def _place(params, lora, spec, shardings, numerics: Numerics):
+def _place(params, lora, spec, shardings, numerics: Numerics, rows: jax.Array | None = None):
     """params and lora laid out on the mesh, lora in the compute dtype as the numerics holds
-    it (`Numerics.hold_adapters`)."""
+    it (`Numerics.hold_adapters`). An `AdapterSet` becomes the one `Lora` of the rows whose
+    adapter indices are rows [B] (`AdapterSet.for_rows`)."""
     if shardings is not None:
         params = constrain(params, param_shardings(shardings, params, spec))
-        if lora is not None:
+        if isinstance(lora, AdapterSet):
+            lora = lora.replace(loras=tuple(constrain(m, lora_shardings(shardings, m, spec))
+                                            for m in lora.loras))
+        elif lora is not None:
             lora = constrain(lora, lora_shardings(shardings, lora, spec))
+    if isinstance(lora, AdapterSet):
+        lora = lora.for_rows(rows)
     dtype = params["embed_tokens"]["embedding"].dtype
     return params, numerics.hold_adapters(lora, dtype)
 
@@ -150,7 +158,8 @@ def init_slots(params: Params, *, spec: ModelSpec, slots: int, capacity: int, sh
                   budget=zeros(jnp.int32), keys=jnp.zeros((slots, 2), jnp.uint32),
                   settings=jax.tree_util.tree_map(jnp.asarray,
                                                   RowSettings.of([Decoding()] * slots)),
-                  history=History.empty(slots, spec.vocab_size), prefix=prefix)
+                  history=History.empty(slots, spec.vocab_size), adapter=zeros(jnp.int32),
+                  prefix=prefix)
     return state if shardings is None else constrain(state, _slot_shardings(shardings, state))
 
 
@@ -196,18 +205,19 @@ def _fold(keys: jax.Array, t: jax.Array) -> jax.Array:
 
 @functools.partial(jax.jit, donate_argnums=0,
                    static_argnames=("spec", "eos_ids", "shardings", "numerics", "features"))
-def admit(state: Slots, params: Params, lora: Lora | None, prompts: jax.Array,
-          lengths: jax.Array, src: jax.Array, dst: jax.Array, keys: jax.Array,
-          settings: RowSettings, budget: jax.Array, *, spec: ModelSpec,
+def admit(state: Slots, params: Params, lora: Lora | AdapterSet | None, prompts: jax.Array,
+          lengths: jax.Array, adapter: jax.Array, src: jax.Array, dst: jax.Array,
+          keys: jax.Array, settings: RowSettings, budget: jax.Array, *, spec: ModelSpec,
           eos_ids: tuple[int, ...], shardings: MeshRules | None = None,
           numerics: Numerics = REFERENCE, features: Features = ALL):
-    """Prefill prompts [U, P] (right-padded; lengths [U]) and fill slots dst [M] from rows
-    src [M] with keys [M, 2], settings [M] and budgets [M] (module docstring). With blocks of
+    """Prefill prompts [U, P] (right-padded; lengths [U]) under adapters adapter [U] (indices
+    of an `AdapterSet` lora; ignored otherwise) and fill slots dst [M] from rows src [M] with
+    keys [M, 2], settings [M] and budgets [M] (module docstring). With blocks of
     R slots sharing a prompt (state.prefix), M is a multiple of R and each R consecutive
     entries fill one block's slots in order from one row. features must cover the settings of
     the slots filled (`Features.covers`). Returns the new state and, per new slot [M], its
     first token with its log-probs (`Picked`) and whether the slot is already done."""
-    params, lora = _place(params, lora, spec, shardings, numerics)
+    params, lora = _place(params, lora, spec, shardings, numerics, adapter)
     u, p = prompts.shape
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (u, p))
     pre = init_cache(spec, u, p, _cache_dtype(params, numerics))
@@ -237,6 +247,7 @@ def admit(state: Slots, params: Params, lora: Lora | None, prompts: jax.Array,
                           live=put(state.live, ~done),
                           count=put(state.count, jnp.ones_like(budget)),
                           budget=put(state.budget, budget), keys=put(state.keys, keys),
+                          adapter=put(state.adapter, adapter[src]),
                           settings=jax.tree_util.tree_map(put, state.settings, settings),
                           history=jax.tree_util.tree_map(put, state.history,
                                                          seen.record(token, budget > 0)))
@@ -247,15 +258,16 @@ def admit(state: Slots, params: Params, lora: Lora | None, prompts: jax.Array,
 @functools.partial(Program, program="decode", donate_argnums=0,
                    static_argnames=("spec", "eos_ids", "steps", "shardings", "numerics",
                                     "features"))
-def generate(state: Slots, params: Params, lora: Lora | None, *, spec: ModelSpec,
+def generate(state: Slots, params: Params, lora: Lora | AdapterSet | None, *, spec: ModelSpec,
              eos_ids: tuple[int, ...], steps: int, shardings: MeshRules | None = None,
              numerics: Numerics = REFERENCE, features: Features = ALL) -> tuple[Slots, Chunk]:
     """Advance every live slot by up to `steps` tokens (module docstring); features must cover
     the settings of the live slots (`Features.covers`). The columns of a slot that is not live
     at a step hold emitted False and zeros; with `numerics.fixed_chunk` the chunk runs all
     `steps` steps with no data-dependent branch or loop and gives what the early-stopping
-    chunk gives (cache columns past a slot's filled ones aside, which nothing reads)."""
-    params, lora = _place(params, lora, spec, shardings, numerics)
+    chunk gives (cache columns past a slot's filled ones aside, which nothing reads). An
+    `AdapterSet` lora gives each slot its own adapter (`Slots.adapter`)."""
+    params, lora = _place(params, lora, spec, shardings, numerics, state.adapter)
     s = state.last.shape[0]
     eos = jnp.asarray(eos_ids, jnp.int32)
 
@@ -318,7 +330,8 @@ def _appended_history(history: History, tokens: jax.Array, count: jax.Array,
 
 @functools.partial(jax.jit, donate_argnums=0,
                    static_argnames=("spec", "eos_ids", "shardings", "numerics", "features"))
-def extend(state: Slots, params: Params, lora: Lora | None, tokens: jax.Array, start: jax.Array,
+def extend(state: Slots, params: Params, lora: Lora | AdapterSet | None, tokens: jax.Array,
+           start: jax.Array,
            count: jax.Array, keys: jax.Array, settings: RowSettings, budget: jax.Array, *,
            spec: ModelSpec, eos_ids: tuple[int, ...], shardings: MeshRules | None = None,
            numerics: Numerics = REFERENCE, features: Features = ALL):
@@ -331,7 +344,7 @@ def extend(state: Slots, params: Params, lora: Lora | None, tokens: jax.Array, s
     log-probs (`Picked`) and whether the slot is already done."""
     if state.prefix is not None:
         raise ValueError("slots that share a prompt cannot be continued")
-    params, lora = _place(params, lora, spec, shardings, numerics)
+    params, lora = _place(params, lora, spec, shardings, numerics, state.adapter)
     s, a = tokens.shape
     on = count > 0
     index = jnp.where(on, start, state.cache.index)

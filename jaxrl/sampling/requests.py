@@ -26,7 +26,11 @@ class Request:
     prompt and settings always give the same tokens). on_token(token, logprob) is called with
     each new token as it is decoded (after `top_logprobs` got that token's alternatives, when
     decoding.top_logprobs asks for them); on_done(request) once it has finished. hold, follows
-    and keep: multi-turn continuation in the same slot (module docstring)."""
+    and keep: multi-turn continuation in the same slot (module docstring). adapter: which of
+    the engine's adapters the request decodes with, where the engine holds an
+    `jaxrl.lora.adapters.AdapterSet` (0: the base alone, i: its i-th); an engine with one
+    adapter (or none) decodes every request with it and takes adapter 0 only. A continuation
+    decodes with the adapter of the request it follows."""
 
     prompt: Sequence[int]
     decoding: Decoding = Decoding()
@@ -37,6 +41,7 @@ class Request:
     hold: bool = False  # keep the slot and its cache after finishing, for a follower
     follows: "Request | None" = None  # a finished request that held its slot
     keep: int | None = None  # tokens of `follows` kept before `prompt` (None: all of them)
+    adapter: int = 0
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     # per token: the decoding.top_logprobs most likely (token id, log-prob), best first
@@ -84,7 +89,9 @@ def row_keys(key: jax.Array, rows: Sequence[int]) -> np.ndarray:
 class EngineStats:
     """Counters of this process's work: prompts prefilled, requests admitted, continuations
     appended to held slots, `generate` calls, decode steps run and tokens they emitted (a first
-    token comes from the prefill or the append and is not counted here)."""
+    token comes from the prefill or the append and is not counted here); per adapter index,
+    the decode steps in which rows of that adapter emitted and the tokens they emitted, and
+    the decode steps whose emitting rows used more than one adapter."""
 
     prefills: int = 0
     admitted: int = 0
@@ -92,6 +99,26 @@ class EngineStats:
     chunks: int = 0
     steps: int = 0
     tokens: int = 0
+    adapter_steps: dict[int, int] = dataclasses.field(default_factory=dict)
+    adapter_tokens: dict[int, int] = dataclasses.field(default_factory=dict)
+    mixed_steps: int = 0
+
+    def count_chunk(self, emitted: np.ndarray, adapters: np.ndarray) -> None:
+        """Count one `generate` chunk: emitted [S, N] of the slots whose adapter indices are
+        adapters [S]."""
+        emitted = np.asarray(emitted, bool)
+        self.chunks += 1
+        self.steps += int(emitted.any(axis=0).sum())
+        self.tokens += int(emitted.sum())
+        kinds = np.zeros(emitted.shape[1], np.int64)
+        for a in np.unique(adapters[emitted.any(axis=1)]):
+            rows = emitted[adapters == a]
+            steps = rows.any(axis=0)
+            a = int(a)
+            self.adapter_steps[a] = self.adapter_steps.get(a, 0) + int(steps.sum())
+            self.adapter_tokens[a] = self.adapter_tokens.get(a, 0) + int(rows.sum())
+            kinds += steps
+        self.mixed_steps += int((kinds > 1).sum())
 
     def utilization(self, slots: int) -> float:
         """Emitted tokens per slot-step of the decode steps run (1 = every slot always live)."""
