@@ -223,9 +223,18 @@ class RewardsConfig(_Group):
 
 @dataclass(frozen=True)
 class JudgeConfig(_Group):
-    """The OpenAI-compatible LLM judge used by judge-based rewards."""
+    """The LLM judge used by judge-based rewards: an OpenAI-compatible server (base_url,
+    model), or with `local` one decoded in the training process's own engine."""
     base_url: str = ""
     model: str = ""
+    # "" (a server at base_url), base (the policy's frozen base, no adapter), adapter:DIR (a PEFT
+    # adapter over that base) or model:PATH (a second model, NF4, held beside the policy's)
+    local: str = ""
+    slots: int = _setting(4, ge=1)  # local: the engine's slots for judge rows
+    # local: cache columns a judge prompt may fill (0: data.max_prompt_tokens +
+    # sampling.max_new_tokens + 1024 for the judge's instructions)
+    max_prompt_tokens: int = _setting(0, ge=0)
+    thinking: bool = False  # local: the chat template's thinking mode for the judge
     api_key_env: str = "OPENAI_API_KEY"
     api_key: str = _setting("", secret=True)
     timeout_s: float = _setting(60.0, gt=0)  # per request
@@ -377,6 +386,15 @@ def _check_env(cfg: Config) -> None:
                           "each reply)")
 
 
+def _check_judge(judge: JudgeConfig) -> None:
+    kind, _, path = judge.local.partition(":")
+    if judge.local and not (judge.local == "base" or (kind in ("adapter", "model")
+                                                      and path.strip())):
+        raise ConfigError(f"config key 'judge.local' must be empty (a judge server at "
+                          "judge.base_url), base, adapter:DIR or model:PATH; got "
+                          f"{judge.local!r}")
+
+
 def _check_cross(cfg: Config) -> None:
     if not cfg.model.path.strip():
         raise ConfigError("config key 'model.path' is empty: this config needs a base model; "
@@ -389,6 +407,7 @@ def _check_cross(cfg: Config) -> None:
     _check_rewards(cfg.rewards)
     _check_grpo(cfg.grpo)
     _check_env(cfg)
+    _check_judge(cfg.judge)
     if cfg.rewards.overlong_buffer > cfg.sampling.max_new_tokens:
         raise ConfigError(f"config key 'rewards.overlong_buffer' ({cfg.rewards.overlong_buffer}) "
                           "must be at most 'sampling.max_new_tokens' "

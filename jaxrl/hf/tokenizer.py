@@ -46,15 +46,18 @@ def eos_token_ids(tokenizer, model_dir: str | Path | None = None) -> tuple[int, 
 
 def chat_prompt_text(tokenizer, messages: Sequence[Mapping[str, str]],
                      add_generation_prompt: bool = True,
-                     tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+                     tools: Sequence[Mapping[str, Any]] | None = None,
+                     thinking: bool | None = None) -> str:
     """`messages` ([{"role", "content"}, ...]) rendered by the chat template, ending with the
     assistant header when add_generation_prompt; tools: OpenAI function definitions the template
-    renders (jaxrl.hf.tool_calls.syntax_of says whether it can)."""
+    renders (jaxrl.hf.tool_calls.syntax_of says whether it can); thinking: the template's
+    enable_thinking (Qwen3's; templates without it ignore it), None: its default."""
     if not tokenizer.chat_template:
         raise TokenizerError(f"tokenizer {tokenizer.name_or_path!r} has no chat template; pass a "
                              "chat model's directory or token ids")
+    extra = {} if thinking is None else {"enable_thinking": thinking}
     return tokenizer.apply_chat_template(list(messages), tokenize=False, tools=tools,
-                                         add_generation_prompt=add_generation_prompt)
+                                         add_generation_prompt=add_generation_prompt, **extra)
 
 
 _REPLY = "\u2063reply\u2063"  # stands for an assistant reply; no template writes it

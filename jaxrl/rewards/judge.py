@@ -1,4 +1,5 @@
-"""An LLM judge over any OpenAI-compatible chat-completions server, through the openai client.
+"""An LLM judge over any OpenAI-compatible chat-completions server, through the openai client,
+or (judge.local) decoded in the training process's own engine (jaxrl/rewards/local_judge.py).
 
 `Judge.ask(messages)` returns the reply's text or raises `JudgeFailure(kind)`; the judge-based
 rewards turn a failure into their default score (0) and count it. Requests use temperature
@@ -13,10 +14,17 @@ hash of the request, so a resumed run never asks twice; identical requests in fl
 call. The API key (from `judge.api_key`, else the environment variable `judge.api_key_env`) is
 handed to the client and nowhere else: it is not stored in the cache, logged, or put in
 failures, whose text is scrubbed of it in case a server echoes it back.
+
+A local judge keeps this contract (the cache, keyed by `local:<judge.local>` unless
+judge.model names it, in-flight sharing, the concurrency limit, failure kinds): its requests go
+to the engine's queue instead of a socket and are not retried (a greedy local decode gives the
+same reply again); a prompt that does not fit the judge's cache columns fails as
+judge_prompt_too_long, one its chat template cannot render as judge_bad_request.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import email.utils
 import hashlib
 import json
@@ -107,13 +115,24 @@ class Judge:
     """A judge client for one model; create it anywhere, use it from one event loop at a time."""
 
     def __init__(self, cfg: JudgeConfig, run_dir: str | os.PathLike | None = None):
-        if not cfg.base_url or not cfg.model:
+        self._local = None
+        if cfg.local:
+            from jaxrl.rewards import local_judge
+
+            self._local = local_judge.current()
+            if self._local is None:
+                raise RewardConfigError(
+                    f"judge.local={cfg.local} decodes the judge in the training process's "
+                    "engine, which only `jaxrl train` runs; elsewhere serve the judge "
+                    "(jaxrl serve) and set judge.base_url and judge.model")
+            cfg = dataclasses.replace(cfg, model=cfg.model or f"local:{cfg.local}")
+        elif not cfg.base_url or not cfg.model:
             raise RewardConfigError("judge-based rewards need 'judge.base_url' and 'judge.model' "
                                     "(an OpenAI-compatible server, e.g. judge.base_url="
                                     "http://127.0.0.1:8000/v1 judge.model=NAME)")
         self.cfg = cfg
         self._key = cfg.api_key or os.environ.get(cfg.api_key_env, "")
-        if not self._key:
+        if not self._key and self._local is None:
             log.info("judge: %s is not set; sending requests without an API key",
                      cfg.api_key_env)
         self._cache = JudgeCache(Path(run_dir) / CACHE_FILE) if cfg.cache and run_dir else None
@@ -122,6 +141,8 @@ class Judge:
         self._inflight: dict[str, asyncio.Task] = {}
 
     def __repr__(self) -> str:
+        if self._local is not None:
+            return f"Judge(local={self.cfg.local!r})"
         return f"Judge(model={self.cfg.model!r}, base_url={self.cfg.base_url!r})"
 
     def _bind(self) -> None:
@@ -129,10 +150,12 @@ class Judge:
         loop = asyncio.get_running_loop()
         if self._loop is not loop:
             self._loop, self._inflight = loop, {}
+            self._semaphore = asyncio.Semaphore(self.cfg.concurrency)
+            if self._local is not None:
+                return
             self._client = openai.AsyncOpenAI(base_url=self.cfg.base_url,
                                               api_key=self._key or "EMPTY",
                                               timeout=self.cfg.timeout_s, max_retries=0)
-            self._semaphore = asyncio.Semaphore(self.cfg.concurrency)
 
     async def ask(self, messages: list[dict]) -> JudgeReply:
         """The judge's reply text to `messages`, from the cache when it has it."""
@@ -160,6 +183,10 @@ class Judge:
         return JudgeReply(text, False, attempts)
 
     async def _request(self, body: dict) -> tuple[str, int]:
+        if self._local is not None:
+            async with self._semaphore:
+                future = self._local.submit(body["messages"], body["max_tokens"])
+                return await asyncio.wrap_future(future), 1
         attempts = self.cfg.max_retries + 1
         for attempt in range(1, attempts + 1):
             try:

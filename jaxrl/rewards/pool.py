@@ -91,6 +91,9 @@ class RewardPool:
                                         daemon=True)
         self._thread.start()
         self._closed = False
+        # while_waiting(done): run by `collect` until done(), on the caller's thread: work the
+        # scores need from it (a local judge's engine steps, jaxrl/rewards/local_judge.py)
+        self.while_waiting: Callable[[Callable[[], bool]], None] | None = None
 
     @property
     def restarts(self) -> int:
@@ -111,6 +114,8 @@ class RewardPool:
     def collect(self, ticket: Ticket) -> ScoredBatch:
         """Wait for a submitted batch; its results in submission order."""
         start = time.monotonic()
+        if self.while_waiting is not None:
+            self.while_waiting(ticket.future.done)
         per_function, finished = ticket.future.result()
         waited = time.monotonic() - start
         results = {fn.name: tuple(rs) for (_, fn), rs in zip(self._functions, per_function)}

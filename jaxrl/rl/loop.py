@@ -104,10 +104,13 @@ def _sample_rollout(s: Session, step: int, key: jax.Array, phases: _Phases) -> R
                                          lora=s.state.lora, shardings=s.rules)
         return Rollout(step, records, prompts, out)
     prompts = [s.render(r) for r in records]
+    shared = {}  # with judge.local: the engine the judge decodes in too
+    if s.judge is not None:
+        shared = dict(engine=s.judge.policy_engine(s.state.lora), adapter=s.judge.policy_adapter)
     with phases.timing("time/rollout"):  # `sample` returns host arrays: it has finished
         out = sample(s.params, s.spec, [s.prompt_ids(p) for p in prompts], key, s.cfg.sampling,
                      lora=s.state.lora, eos_ids=s.eos_ids, detokenize=s.detokenize,
-                     shardings=s.rules)
+                     shardings=s.rules, **shared)
     return Rollout(step, records, prompts, out)
 
 
@@ -206,6 +209,8 @@ def _step_metrics(s: Session, rollout: Rollout, scored, adv, update: dict, secon
                **{("loss/" + k if k in ("kl", "kl_weighted", "loss") else "train/" + k): float(v)
                   for k, v in update.items()},
                "train/lr": float(s.schedule(int(s.state.step))), **seconds}
+    if s.judge is not None:
+        metrics.update(s.judge.metrics())
     metrics["time/reward"] = scored.metrics["rewards/time_s"]
     metrics["time/reward_wait"] = scored.metrics["rewards/wait_s"]
     metrics["tokens_per_s"] = metrics.pop("tokens/completion") / max(seconds["time/step"], 1e-9)

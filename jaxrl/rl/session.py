@@ -142,8 +142,22 @@ class Session:
             self.state = place(self.state, shardings[0][0])
         if self.pending is not None and self.pending.ref_logp is not None:
             self.pending.ref_logp = self.to_device(self.pending.ref_logp)
+        self.judge = self._local_judge()  # None: no judge, or one served elsewhere
         self.rewards = RewardPool(cfg)
+        if self.judge is not None:
+            self.rewards.while_waiting = self.judge.wait
         self._progress, self._task = _progress_bar(cfg, self.start_step)
+
+    def _local_judge(self):
+        """The engine the rollouts share with a judge.local judge (entered: judges built now
+        decode in it), or None."""
+        if not self.cfg.judge.local:
+            return None
+        from jaxrl.rewards.local_judge import JudgeService
+
+        rows = self.row_range[1] - self.row_range[0]
+        return JudgeService(self.cfg, self.spec, self.params, self.tokenizer, self.eos_ids,
+                            self.state.lora, rows, self.rules, self.log).__enter__()
 
     def render(self, record: dict) -> str:
         return chat_prompt_text(self.tokenizer, record["messages"]) + self.cfg.data.response_prefix
@@ -196,4 +210,6 @@ class Session:
     def __exit__(self, *exc) -> None:
         self._progress.stop()
         self.rewards.close()
+        if self.judge is not None:
+            self.judge.__exit__(*exc)
         self.checkpoints.close()

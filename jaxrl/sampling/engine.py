@@ -30,7 +30,7 @@ adapter after an update) by one of the same structure; rows already decoding go 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
@@ -93,6 +93,9 @@ class Engine:
         self._held: dict[int, Request] = {}  # slot -> the finished request holding it
         self._used: dict[str, set[Features]] = {}  # program -> the features it ran with
         self.stats = EngineStats()
+        # called at the start of every step: submits requests that wait outside the engine
+        # (a local judge's, jaxrl/rewards/local_judge.py)
+        self.feed: Callable[[], None] | None = None
 
     def submit(self, request: Request) -> Request:
         """Queue a request; it is decoded by later `step`s (its callbacks fire then). A request
@@ -178,6 +181,8 @@ class Engine:
         """Fill free slots, append continuations, decode one chunk, hand out tokens; whether
         any process has work
         left (every process calls it the same number of times)."""
+        if self.feed is not None:
+            self.feed()
         self._admit()
         self._extend()
         if distributed.host_max(len(self._active)):
@@ -196,6 +201,12 @@ class Engine:
     def run(self) -> None:
         """Step until every queued request has finished."""
         while self.step():
+            pass
+
+    def run_until(self, done: Callable[[], bool]) -> None:
+        """Step until done() (one process: other requests may still decode, and go on at the
+        next step), or until no request is left."""
+        while not done() and self.step():
             pass
 
     def _features(self, program: str, new: Sequence[Request] = ()) -> Features:

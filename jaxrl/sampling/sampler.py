@@ -108,8 +108,8 @@ def slot_layout(rows: int, share: int, limit: int = 0, ways: int = 1) -> tuple[i
 def sample(params: Params, spec: ModelSpec, prompts: Sequence[Sequence[int]], key: jax.Array,
            cfg: SamplingConfig = SamplingConfig(), *, lora: Lora | None = None,
            eos_ids: Sequence[int] = (), detokenize: Callable[[Sequence[int]], str] | None = None,
-           shardings: MeshRules | None = None,
-           numerics: Numerics | None = None) -> SampleOutput:
+           shardings: MeshRules | None = None, numerics: Numerics | None = None,
+           engine: Engine | None = None, adapter: int = 0) -> SampleOutput:
     """Sample one completion per prompt (lists of token ids; repeat a prompt for a group).
 
     cfg supplies temperature, top_k, top_p, min_p, max_new_tokens, stop strings and the number
@@ -119,6 +119,10 @@ def sample(params: Params, spec: ModelSpec, prompts: Sequence[Sequence[int]], ke
     and a row's output does not depend on the rows beside it. shardings: sample on a mesh; with
     several processes `prompts` are this process's rows (jaxrl/distributed.py) and so is the
     output. numerics: the backend forms (None: the choice for the mesh's devices, `Engine`).
+    engine: decode in this engine (one process; rows of one slot each, `lora` ignored) under
+    its adapter index `adapter` instead of in one laid out for these rows; it steps until
+    these rows have finished, and other requests in it (a local judge's) decode beside them
+    and may remain after.
     """
     if cfg.stop and detokenize is None:
         raise ValueError(f"stop strings {list(cfg.stop)} need a detokenize function (ids -> text)")
@@ -130,12 +134,15 @@ def sample(params: Params, spec: ModelSpec, prompts: Sequence[Sequence[int]], ke
         rows = distributed.global_rows(shardings, distributed.host_max(rows))
         first = distributed.local_rows(shardings, rows)[0]
     tokens, mask = left_pad(prompts, width)
+    n = cfg.max_new_tokens
+    if engine is not None:
+        requests = _decode_in(engine, prompts, decoding, n, key, adapter)
+        return _output(requests, tokens, mask, n, eos_ids, cfg, detokenize)
     share = _runs_gcd(prompts)
     if shardings is not None:
         share = distributed.host_gcd(share)
     slots, share = slot_layout(rows, share, cfg.slots,
                                1 if shardings is None else shardings.batch_ways)
-    n = cfg.max_new_tokens
     chunk = bucket(n) if slots >= rows else min(bucket(n), REFILL_CHUNK)
     engine = Engine(params, spec, eos_ids=eos_ids, slots=slots, capacity=width + bucket(n),
                     chunk=chunk, lora=lora, shardings=shardings, share=share,
@@ -145,10 +152,27 @@ def sample(params: Params, spec: ModelSpec, prompts: Sequence[Sequence[int]], ke
     for i in range(0, len(requests), share):
         engine.submit_group(requests[i:i + share])
     engine.run()
+    return _output(requests, tokens, mask, n, eos_ids, cfg, detokenize)
+
+
+def _decode_in(engine: Engine, prompts, decoding: Decoding, n: int, key: jax.Array,
+               adapter: int) -> list[Request]:
+    """The requests of `prompts`, decoded in a given engine until they have finished."""
+    keys = row_keys(key, range(len(prompts)))
+    requests = [engine.submit(Request(list(ids), decoding, n, keys[i], adapter=adapter))
+                for i, ids in enumerate(prompts)]
+    engine.run_until(lambda: all(r.finish_reason is not None for r in requests))
+    return requests
+
+
+def _output(requests: list[Request], tokens, mask, n: int, eos_ids, cfg: SamplingConfig,
+            detokenize) -> SampleOutput:
+    """The finished `requests` as padded host arrays beside their left-padded prompts."""
+    rows = len(requests)
     out = SampleOutput(prompt_tokens=tokens, prompt_mask=mask,
-                       tokens=np.full((len(prompts), n), eos_ids[0] if eos_ids else 0, np.int32),
-                       mask=np.zeros((len(prompts), n), bool),
-                       logprobs=np.zeros((len(prompts), n), np.float32),
+                       tokens=np.full((rows, n), eos_ids[0] if eos_ids else 0, np.int32),
+                       mask=np.zeros((rows, n), bool),
+                       logprobs=np.zeros((rows, n), np.float32),
                        finish_reasons=tuple(r.finish_reason for r in requests), texts=None)
     for row, r in enumerate(requests):
         k = len(r.tokens)

@@ -5,11 +5,12 @@ job's `Sink`, called on this thread; the sink hands them to the handler's event 
 thread admits waiting jobs into the engine whenever it has free slots, so requests join the
 decoding batch between chunks instead of waiting for a round to finish.
 
-Adapters: the engine decodes with one LoRA adapter (or the base) at a time, since one batch
-cannot mix adapters, so requests for different served models decode in turn. While the
-current model has jobs waiting and no other model does, they keep joining the batch; once
-another model has jobs waiting, the current one's waiting jobs are held back, the batch
-drains, and the engine switches to the next model (round robin) that has jobs waiting.
+Adapters: every served model decodes in the same batch. The engine holds them all at once
+(`engine_lora`): no adapter when every model is the base alone, the one adapter when all
+models share one, else an `AdapterSet` of the distinct adapters, and each job's request
+carries its model's index in it (0: the base alone). Waiting requests of any model are
+admitted first come, first served into free slots; rows of different models decode side by
+side in one step, and nothing recompiles for a new mix.
 
 A job still waiting can be cancelled (its client went away); a job in the engine decodes to
 its end, as the engine has no way to free a slot early. A failing engine step fails the jobs
@@ -27,6 +28,7 @@ from typing import Protocol
 
 import numpy as np
 
+from jaxrl.lora.adapters import AdapterSet
 from jaxrl.lora.lora import Lora
 from jaxrl.sampling.engine import Engine
 from jaxrl.sampling.requests import Request
@@ -66,12 +68,36 @@ class Job:
 
 @dataclasses.dataclass
 class Counts:
-    """What the scheduler has done, for /health and /metrics."""
+    """What the scheduler has done, for /health and /metrics. The per-model counts are keyed by
+    served model id (models sharing one adapter share a key: their ids joined by commas)."""
 
     waiting: int = 0  # jobs waiting for a slot
     running: int = 0  # jobs in the engine
-    switches: int = 0  # adapter changes
     utilization: float = 0.0  # share of slot-steps that emitted a token in the last chunk
+    # since the start, over engine rebuilds: the decode steps in which the model's rows
+    # emitted, the tokens they emitted, and the steps whose rows used more than one adapter
+    model_steps: dict[str, int] = dataclasses.field(default_factory=dict)
+    model_tokens: dict[str, int] = dataclasses.field(default_factory=dict)
+    mixed_steps: int = 0
+
+
+def engine_lora(models: Mapping[str, Lora | None]) -> tuple[Lora | AdapterSet | None,
+                                                             dict[str, int]]:
+    """The engine's `lora` for the served `models` (id -> adapter, None: the base alone) and
+    each model's adapter index in it: None when every model is the base alone, the one
+    adapter when all models share it, else an `AdapterSet` of the distinct adapters (a model
+    without one gets index 0, the base)."""
+    distinct: list[Lora] = []
+    for lora in models.values():
+        if lora is not None and all(lora is not d for d in distinct):
+            distinct.append(lora)
+    if not distinct:
+        return None, dict.fromkeys(models, 0)
+    if len(distinct) == 1 and all(lora is not None for lora in models.values()):
+        return distinct[0], dict.fromkeys(models, 0)
+    index = {id(lora): i for i, lora in enumerate(distinct, 1)}
+    return AdapterSet.of(distinct), {m: 0 if lora is None else index[id(lora)]
+                                     for m, lora in models.items()}
 
 
 class Scheduler:
@@ -82,14 +108,18 @@ class Scheduler:
                  max_queue: int, on_step: Callable[[Counts, Engine], None] | None = None):
         self._make_engine, self._adapters = make_engine, dict(adapters)
         self.max_queue, self._on_step = max_queue, on_step
-        self.engine = make_engine()
-        self._current = next(iter(self._adapters))
-        self.engine.lora = self._adapters[self._current]
+        self._lora, self._index = engine_lora(self._adapters)
+        names: dict[int, list[str]] = {}
+        for model, i in self._index.items():
+            names.setdefault(i, []).append(model)
+        self._labels = {i: ",".join(ms) for i, ms in names.items()}  # index -> Counts key
+        self.engine = self._new_engine()
         self._cond = threading.Condition()
-        self._waiting: dict[str, deque[list[Job]]] = {m: deque() for m in self._adapters}
+        self._waiting: deque[tuple[int, list[Job]]] = deque()  # (adapter index, jobs)
         self._running: dict[int, Job] = {}  # id(request) -> job
         self._closed = False
-        self.counts = Counts()
+        self.counts = Counts(model_steps=dict.fromkeys(self._labels.values(), 0),
+                             model_tokens=dict.fromkeys(self._labels.values(), 0))
         self._thread = threading.Thread(target=self._loop, name="jaxrl-serve-engine",
                                         daemon=True)
         self._thread.start()
@@ -98,61 +128,51 @@ class Scheduler:
     def models(self) -> list[str]:
         return list(self._adapters)
 
+    def _new_engine(self) -> Engine:
+        engine = self._make_engine()
+        engine.lora = self._lora
+        return engine
+
     def submit(self, model: str, jobs: list[Job]) -> None:
         """Queue one request's jobs for `model`; Overloaded when max_queue requests wait."""
+        index = self._index[model]
         with self._cond:
             if self._closed:
                 raise Closed("the server is shutting down")
-            queued = sum(len(q) for q in self._waiting.values())
-            if queued >= self.max_queue:
-                raise Overloaded(f"{queued} requests are already waiting (the limit)")
-            self._waiting[model].append(list(jobs))
+            if len(self._waiting) >= self.max_queue:
+                raise Overloaded(f"{len(self._waiting)} requests are already waiting (the "
+                                 "limit)")
+            self._waiting.append((index, list(jobs)))
             self._cond.notify()
 
     def cancel(self, jobs: Sequence[Job]) -> None:
         """Drop those of `jobs` that still wait (their client is gone)."""
         drop = {id(j) for j in jobs}
         with self._cond:
-            for model, queue in self._waiting.items():
-                kept = [[j for j in req if id(j) not in drop] for req in queue]
-                self._waiting[model] = deque(req for req in kept if req)
+            kept = [(i, [j for j in req if id(j) not in drop]) for i, req in self._waiting]
+            self._waiting = deque((i, req) for i, req in kept if req)
 
     def _count(self) -> None:
-        self.counts.waiting = sum(len(j) for q in self._waiting.values() for j in q)
+        self.counts.waiting = sum(len(req) for _, req in self._waiting)
         self.counts.running = len(self._running)
 
-    def _next_model(self) -> str | None:
-        """The model whose jobs the engine should take now (module docstring)."""
-        others = [m for m in self.models if m != self._current and self._waiting[m]]
-        if not others:
-            return self._current if self._waiting[self._current] else None
-        if self._running:
-            return None  # drain the current model's batch first
-        order = self.models[self.models.index(self._current) + 1:] + self.models
-        return next(m for m in order if m in others)
-
     def _feed(self) -> None:
-        """Move waiting jobs into the engine while it has free slots (under the lock)."""
-        model = self._next_model()
-        if model is None:
-            return
-        if model != self._current:
-            self._current = model
-            self.engine.lora = self._adapters[model]
-            self.counts.switches += 1
-        queue = self._waiting[model]
-        # a request's jobs go in together; one with more jobs than slots goes in alone and
-        # waits in the engine's own queue for slots
+        """Move waiting jobs of any model into the engine, first come first served, while it
+        has free slots (under the lock). A request's jobs go in together; one with more jobs
+        than slots goes in alone and waits in the engine's own queue for slots."""
+        queue = self._waiting
         while queue and (not self._running
-                         or len(self._running) + len(queue[0]) <= self.engine.slots):
-            for job in queue.popleft():
-                self._start(job)
+                         or len(self._running) + len(queue[0][1]) <= self.engine.slots):
+            index, jobs = queue.popleft()
+            for job in jobs:
+                self._start(job, index)
 
-    def _start(self, job: Job) -> None:
+    def _start(self, job: Job, adapter: int) -> None:
         def token(t: int, logprob: float, request: Request) -> None:
             job.sink.token(t, logprob, request.top_logprobs[-1] if request.top_logprobs else ())
 
-        request = Request(list(job.prompt), job.decoding, job.max_tokens, job.key)
+        request = Request(list(job.prompt), job.decoding, job.max_tokens, job.key,
+                          adapter=adapter)
         request.on_token = lambda t, lp: token(t, lp, request)
         request.on_done = self._finished
         self._running[id(request)] = job
@@ -166,8 +186,7 @@ class Scheduler:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._closed and not self._running and not any(
-                        self._waiting.values()):
+                while not self._closed and not self._running and not self._waiting:
                     self._count()
                     self._cond.wait()
                 if self._closed:
@@ -177,9 +196,12 @@ class Scheduler:
             self._step()
 
     def _step(self) -> None:
-        before = (self.engine.stats.steps, self.engine.stats.tokens)
+        engine = self.engine
+        stats = engine.stats
+        before = (stats.steps, stats.tokens, dict(stats.adapter_steps),
+                  dict(stats.adapter_tokens), stats.mixed_steps)
         try:
-            self.engine.step()
+            engine.step()
         except Exception as error:  # noqa: BLE001 -- the jobs get it; the server lives on
             log.exception("the decode engine failed; its %d jobs fail and it is rebuilt",
                           len(self._running))
@@ -187,25 +209,32 @@ class Scheduler:
                 failed, self._running = list(self._running.values()), {}
             for job in failed:
                 job.sink.fail(error)
-            self.engine = self._make_engine()
-            self.engine.lora = self._adapters[self._current]
+            self.engine = self._new_engine()
             return
-        steps = self.engine.stats.steps - before[0]
+        stats = engine.stats
+        steps = stats.steps - before[0]
         if steps:
-            self.counts.utilization = ((self.engine.stats.tokens - before[1])
-                                       / (steps * self.engine.slots))
+            self.counts.utilization = (stats.tokens - before[1]) / (steps * engine.slots)
+        with self._cond:
+            # deltas of this step: a rebuilt engine's stats restart from 0
+            for count, now, then in ((self.counts.model_steps, stats.adapter_steps, before[2]),
+                                     (self.counts.model_tokens, stats.adapter_tokens,
+                                      before[3])):
+                for index, n in now.items():
+                    label = self._labels.get(index, str(index))
+                    count[label] = count.get(label, 0) + n - then.get(index, 0)
+            self.counts.mixed_steps += stats.mixed_steps - before[4]
+            self._count()
         if self._on_step is not None:
-            with self._cond:
-                self._count()
-            self._on_step(self.counts, self.engine)
+            self._on_step(self.counts, engine)
 
     def close(self) -> None:
         """Stop after the current step; waiting and running jobs fail with Closed."""
         with self._cond:
             self._closed = True
-            waiting = [j for q in self._waiting.values() for req in q for j in req]
+            waiting = [j for _, req in self._waiting for j in req]
             running = list(self._running.values())
-            self._waiting = {m: deque() for m in self._adapters}
+            self._waiting = deque()
             self._cond.notify_all()
         self._thread.join()
         for job in waiting + running:

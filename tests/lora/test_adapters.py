@@ -117,3 +117,28 @@ def test_engine_counts_steps_of_each_adapter_and_refuses_an_unknown_one():
     plain = Engine(params, SPEC, slots=2, capacity=32, chunk=4, lora=policy)
     with pytest.raises(ValueError, match="adapter 0"):
         plain.submit(Request(PROMPTS[0], GREEDY, 6, adapter=1))
+
+
+def test_the_gpu_kernels_decode_mixed_rows_as_the_xla_forms():
+    """The GPU choice (Pallas NF4 kernels with the LoRA term in their epilogue and the joined
+    q|k|v and gate|up A matrices, in interpret mode) on rows of three adapters and the base."""
+    import dataclasses
+
+    from jaxrl.backends.numerics import numerics_for
+
+    params, policy = quantized_model()
+    gpu = dataclasses.replace(numerics_for("gpu"), interpret=True)
+    assert gpu.in_place_layers
+    rows = [(0, 1, GREEDY, 0), (1, 2, SEEDED, 1), (2, 0, GREEDY, 2), (3, 3, SEEDED, 3)]
+    lora_set = AdapterSet.of(_adapters(policy))
+
+    def run(numerics):
+        engine = Engine(numerics.hold(params), SPEC, slots=4, capacity=32, chunk=4,
+                        lora=lora_set, numerics=numerics)
+        keys = row_keys(jax.random.PRNGKey(7), range(4))
+        requests = [engine.submit(Request(PROMPTS[p], d, 8, keys[k], adapter=a))
+                    for p, a, d, k in rows]
+        engine.run()
+        return [r.tokens for r in requests]
+
+    assert run(gpu) == run(numerics_for("cpu"))

@@ -178,7 +178,7 @@ def test_admit_has_no_branch_data_loop_or_host_transfer(share):
     m = 4
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
     settings = RowSettings.of([Decoding()] * m)
-    text = admit.trace(state, params, None, i32(2, 8), i32(2), i32(m), i32(m),
+    text = admit.trace(state, params, None, i32(2, 8), i32(2), i32(2), i32(m), i32(m),
                        jax.ShapeDtypeStruct((m, 2), jnp.uint32), settings, i32(m), spec=SPEC,
                        eos_ids=(2,), numerics=numerics, features=ALL).lower(
         lowering_platforms=numerics.lowering_platforms).as_text()
