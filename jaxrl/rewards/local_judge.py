@@ -140,6 +140,10 @@ class JudgeService:
             judges, self.judge_adapter = [load_peft_adapter(path, spec)], JUDGE_ADAPTER
             log(f"judge: adapter {path} over the policy's base, in the policy's engine")
         self._judges = judges
+        # the policy's place in the set while the judge decodes alone: the training step
+        # donates the adapter it updates, so the engine must not hold that one between
+        # rollouts (zeros of the same structure compile nothing new)
+        self._idle_policy = jax.tree_util.tree_map(jax.numpy.zeros_like, lora)
         engine_lora = AdapterSet.of([lora, *judges]) if lay.shared else lora
         self.policy = Engine(params, spec, eos_ids=eos_ids, slots=lay.policy_slots,
                              capacity=lay.policy_capacity, chunk=REFILL_CHUNK, lora=engine_lora,
@@ -191,7 +195,10 @@ class JudgeService:
         return POLICY if self.layout.shared else 0
 
     def wait(self, done: Callable[[], bool]) -> None:
-        """Step the judge's engine until done() (the rewards a step waits for are in)."""
+        """Step the judge's engine until done() (the rewards a step waits for are in). No
+        rollout rows decode now (a rollout steps until its rows have finished)."""
+        if self.layout.shared:
+            self.policy.lora = AdapterSet.of([self._idle_policy, *self._judges])
         while not done():
             with self._cond:
                 idle = not self._inbox and not self.judge.busy()
