@@ -19,9 +19,9 @@ repetition_penalty, presence_penalty, frequency_penalty, logit_bias, logprobs an
 top_logprobs (up to 20), and tools / tool_choice (auto, none, required, a named function) for
 chat templates with Qwen's <tool_call> or Llama 3.1's JSON tool calling. Unknown request fields
 are ignored with one warning per name. Each --lora adapter is served under its own model id
-beside the base; requests for different adapters decode in turn. Binds to 127.0.0.1 unless
---host says otherwise. Ctrl-C or SIGTERM stops accepting requests, lets in-flight ones finish
-and exits 0; a second Ctrl-C exits at once."""
+beside the base; requests for every model decode together in one batch, each row with its own
+model's adapter. Binds to 127.0.0.1 unless --host says otherwise. Ctrl-C or SIGTERM stops
+accepting requests, lets in-flight ones finish and exits 0; a second Ctrl-C exits at once."""
 
 
 def register(sub) -> None:

@@ -38,6 +38,16 @@ class Metrics:
         self.utilization = Gauge("jaxrl_serve_slot_utilization",
                                  "share of slot-steps that emitted a token in the last chunk",
                                  registry=r)
+        self.adapter_steps = Counter("jaxrl_serve_engine_adapter_steps",
+                                     "decode steps in which the model's rows emitted a token",
+                                     ["model"], registry=r)
+        self.adapter_tokens = Counter("jaxrl_serve_engine_adapter_tokens",
+                                      "tokens the model's rows emitted in decode steps",
+                                      ["model"], registry=r)
+        self.mixed_steps = Counter("jaxrl_serve_engine_mixed_adapter_steps",
+                                   "decode steps whose emitting rows used more than one adapter",
+                                   registry=r)
+        self._seen: dict = {}  # what the counters above have counted of the scheduler's counts
         self.first_token = Histogram("jaxrl_serve_time_to_first_token_seconds",
                                      "from a request's arrival to its first token",
                                      buckets=_LATENCY, registry=r)
@@ -52,6 +62,19 @@ class Metrics:
         self.waiting.set(counts.waiting)
         self.running.set(counts.running)
         self.utilization.set(counts.utilization)
+        # the scheduler's counts only grow (it sums each step's change of the engine's stats,
+        # over engine rebuilds); the counters take what is new since the last call
+        for counter, per_model in ((self.adapter_steps, counts.model_steps),
+                                   (self.adapter_tokens, counts.model_tokens)):
+            for model, n in per_model.items():
+                self._add(counter.labels(model), (counter, model), n)
+        self._add(self.mixed_steps, self.mixed_steps, counts.mixed_steps)
+
+    def _add(self, counter, key, total: int) -> None:
+        new = total - self._seen.get(key, 0)
+        if new > 0:
+            counter.inc(new)
+            self._seen[key] = total
 
     def generation(self, model: str, arrived: float, prompt_tokens: int, gen) -> None:
         """A finished request's tokens and timings (`gen`: its Generation)."""

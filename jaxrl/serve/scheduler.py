@@ -143,6 +143,7 @@ class Scheduler:
                 raise Overloaded(f"{len(self._waiting)} requests are already waiting (the "
                                  "limit)")
             self._waiting.append((index, list(jobs)))
+            self._count()
             self._cond.notify()
 
     def cancel(self, jobs: Sequence[Job]) -> None:
@@ -151,6 +152,7 @@ class Scheduler:
         with self._cond:
             kept = [(i, [j for j in req if id(j) not in drop]) for i, req in self._waiting]
             self._waiting = deque((i, req) for i, req in kept if req)
+            self._count()
 
     def _count(self) -> None:
         self.counts.waiting = sum(len(req) for _, req in self._waiting)

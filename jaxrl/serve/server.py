@@ -101,8 +101,9 @@ def start_server(model: Pretrained, host: str = "127.0.0.1", port: int = 8000, *
                  **options) -> ServerHandle:
     """Serve `model` (from `jaxrl.hf.pretrained.load_pretrained`, with its adapter if it has
     one) as `model_id` (default: the model directory's name) and each of `adapters` (served
-    model id -> LoRA over the same base) on host:port (port 0: any free port). The other
-    keywords are `ServeOptions` fields."""
+    model id -> LoRA over the same base) on host:port (port 0: any free port); requests for
+    all of them decode in one batch (jaxrl/serve/scheduler.py). The other keywords are
+    `ServeOptions` fields."""
     opts = ServeOptions(model_id=model_id or model.path.name, **options)
     models = {opts.model_id: model.lora, **(adapters or {})}
     if len(models) != 1 + len(adapters or {}):
