@@ -18,6 +18,17 @@ a run dequantizes its NF4 kernels once (dense kernels, plain matmuls) when its p
 kernels fits the device's memory, and keeps them packed when it does not or the memory is
 unknown (`dense_fit`, which a run's loader asks, jaxrl/hf/loader.py). The plan of such a config
 is the one the run takes, and its sampler row names the choice.
+
+With `judge.local` (jaxrl/rewards/local_judge.py) the plan is of the engine(s) the run holds
+for the whole run (`JudgeService`), as `local_judge.layout` lays them out: with base or
+adapter:DIR the policy's engine has the rollout's slots plus judge.slots, every slot of the
+larger of the rollout's and the judge's columns, one slot per row (no prompt sharing), and its
+adapter is an `AdapterSet`; with model:PATH it keeps the rollout's slots and columns and a
+second engine of judge.slots x the judge's columns decodes the second model. Those engines'
+slots stay allocated between rollouts, so the reference pass and the GRPO step count them as
+resident too; a second model's weights and its engine's slots are resident beside every
+program (its own decode programs are not compiled here). `judge_share` gives the judge's part
+for the report's judge line, and a plan that does not fit names what to shrink.
 """
 from __future__ import annotations
 
@@ -35,7 +46,8 @@ from jaxrl import distributed
 from jaxrl.backends.numerics import Numerics, numerics_of
 from jaxrl.config import ConfigError, MeshConfig, UsageError
 from jaxrl.devices import GIB, device_memory
-from jaxrl.hf.loader import load_model
+from jaxrl.hf.loader import architecture, load_model
+from jaxrl.lora.adapters import AdapterSet
 from jaxrl.lora.lora import init_lora
 from jaxrl.rl.remat import choose
 from jaxrl.rl.session import completion_width, prompt_share_limit, step_options
@@ -134,9 +146,23 @@ def abstract_run(cfg, spec, rules) -> AbstractRun:
                        numerics=numerics)
 
 
+def _layout(cfg, rules, run: AbstractRun):
+    """The local judge's `Layout` of the run's engines (None without judge.local)."""
+    if not cfg.judge.local:
+        return None
+    from jaxrl.rewards.local_judge import layout
+
+    return layout(cfg, run.rows, rules.batch_ways)
+
+
 def _slots(cfg, spec, rules, run: AbstractRun):
     """The rollout engine's slots as `sample` lays them out for the run's rows (a group's G
-    slots sharing its prompt; one slot each in multi-turn rollouts), ShapeDtypeStructs."""
+    slots sharing its prompt; one slot each in multi-turn rollouts), ShapeDtypeStructs; with
+    judge.local the policy's engine of the local judge's layout (module docstring)."""
+    lay = _layout(cfg, rules, run)
+    if lay is not None:
+        return abstract_slots(run.params, spec, lay.policy_slots, lay.policy_capacity, rules,
+                              numerics=run.numerics)
     group = 1 if cfg.data.env else cfg.grpo.num_generations
     slots, share = slot_layout(run.rows, group, 0, rules.batch_ways)
     return abstract_slots(run.params, spec, slots, _capacity(cfg), rules, share=share,
@@ -144,11 +170,26 @@ def _slots(cfg, spec, rules, run: AbstractRun):
                           numerics=run.numerics)
 
 
+def _engine_lora(cfg, run: AbstractRun):
+    """The adapter the policy's engine decodes with: the policy's `Lora`, or with judge.local
+    base or adapter:DIR an `AdapterSet` of it and, for adapter:DIR, the judge's adapter. An
+    abstract plan reads nothing from disk, so the judge's adapter is a stand-in of the policy's
+    structure (lora.rank and lora.targets); a PEFT adapter of another rank or targets changes
+    the set's rank columns, and with them the sampler's figures, by its own size."""
+    from jaxrl.rewards.local_judge import judge_kind
+
+    kind = judge_kind(cfg)[0]
+    if kind not in ("base", "adapter"):
+        return run.lora
+    return AdapterSet.of([run.lora, run.lora] if kind == "adapter" else [run.lora])
+
+
 def lower_sampler(cfg, spec, rules, run: AbstractRun):
     """The decode engine's `generate` (one chunk of the run's new-token bucket) lowered for a
-    slot per row of the run (jaxrl/sampling/programs.py)."""
+    slot per row of the run (jaxrl/sampling/programs.py); with judge.local, for the policy's
+    engine as the run holds it (module docstring)."""
     state = _slots(cfg, spec, rules, run)
-    return generate.lower(state, run.params, run.lora, spec=spec,
+    return generate.lower(state, run.params, _engine_lora(cfg, run), spec=spec,
                           eos_ids=spec.eos_token_ids or (0,),
                           steps=bucket(cfg.sampling.max_new_tokens), shardings=rules,
                           numerics=run.numerics)
@@ -156,16 +197,26 @@ def lower_sampler(cfg, spec, rules, run: AbstractRun):
 
 def lower_prefill(cfg, spec, rules, run: AbstractRun):
     """The decode engine's `admit` lowered for one step's prompts (data.prompts_per_step of
-    data.max_prompt_tokens) filling a slot per row."""
+    data.max_prompt_tokens) filling a slot per row. With a judge in the policy's engine
+    (judge.local base or adapter:DIR), for the widest admission it takes: the step's prompts
+    and judge.slots judge prompts at once, as wide as the wider of the prompt bucket and the
+    judge's prompt columns (bucketed, within the slots' columns)."""
     state = _slots(cfg, spec, rules, run)
     slots = state.last.shape[0]
     u, p = bucket(cfg.data.prompts_per_step, minimum=1), bucket(cfg.data.max_prompt_tokens)
+    lay = _layout(cfg, rules, run)
+    if lay is not None and lay.shared:
+        from jaxrl.rewards.local_judge import judge_prompt_tokens
+
+        u = bucket(cfg.data.prompts_per_step + lay.judge_slots, minimum=1)
+        p = min(max(p, bucket(judge_prompt_tokens(cfg))), lay.policy_capacity)
     sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rules.rows(shape))
     m = (slots,)
     settings = jax.tree_util.tree_map(lambda a: sds(a.shape, a.dtype),
                                       RowSettings.of([Decoding()] * slots))
-    return admit.lower(state, run.params, run.lora, sds((u, p), jnp.int32), sds((u,), jnp.int32),
-                       sds((u,), jnp.int32), sds(m, jnp.int32), sds(m, jnp.int32), sds((slots, 2), jnp.uint32),
+    return admit.lower(state, run.params, _engine_lora(cfg, run), sds((u, p), jnp.int32),
+                       sds((u,), jnp.int32), sds((u,), jnp.int32), sds(m, jnp.int32),
+                       sds(m, jnp.int32), sds((slots, 2), jnp.uint32),
                        settings, sds(m, jnp.int32), spec=spec,
                        eos_ids=spec.eos_token_ids or (0,), shardings=rules,
                        numerics=run.numerics)
@@ -241,11 +292,14 @@ def compile_grpo_step(cfg, spec, rules, run: AbstractRun,
     return cfg.optim.remat, lower(cfg.optim.remat).compile()
 
 
-def _step_memory(cfg, spec, rules, run: AbstractRun, capacity: int | None) -> ProgramMemory:
-    """The GRPO step's figures, named with its remat policy (`compile_grpo_step`)."""
+def _step_memory(cfg, spec, rules, run: AbstractRun, capacity: int | None,
+                 resident: int = 0) -> ProgramMemory:
+    """The GRPO step's figures, named with its remat policy (`compile_grpo_step`); resident:
+    what else stays on the device while it runs (a local judge's engines; optim.remat auto
+    chooses against the whole capacity, as a run's `choose` does)."""
     with _refusal("grpo step"):
         policy, compiled = compile_grpo_step(cfg, spec, rules, run, capacity)
-    return _analysis(f"grpo step (remat {policy})", compiled)
+    return _analysis(f"grpo step (remat {policy})", compiled, resident)
 
 
 def plan_memory(cfg, spec, rules,
@@ -268,7 +322,8 @@ def plan_memory(cfg, spec, rules,
     if strategy == "once" and asked[-1].entries:
         entries = list(asked[-1].entries)
     else:
-        entries = _plan(with_dequantize(cfg, strategy), spec, rules, capacity)
+        entries = _plan(with_dequantize(cfg, strategy), spec, rules, capacity,
+                        **_judge_quant(cfg))
     first = entries[0]
     if isinstance(first, ProgramMemory):
         entries[0] = dataclasses.replace(first, name=f"{first.name} (quant.dequantize auto: "
@@ -276,11 +331,25 @@ def plan_memory(cfg, spec, rules,
     return entries
 
 
-def _plan(cfg, spec, rules, capacity: int | None) -> list[ProgramMemory | OutOfMemory]:
-    """`plan_memory` of `cfg` with its quant settings as they are."""
+def _judge_quant(cfg) -> dict:
+    """`_plan`'s keyword for a second judge model: the quant settings of `cfg` as written (a run
+    loads it with them, its quant.dequantize auto not decided by the policy's memory)."""
+    return {"judge_quant": cfg.quant} if cfg.judge.local else {}
+
+
+def _plan(cfg, spec, rules, capacity: int | None,
+          judge_quant=None) -> list[ProgramMemory | OutOfMemory]:
+    """`plan_memory` of `cfg` with its quant settings as they are; judge_quant: the quant
+    settings a second judge model (judge.local model:PATH) loads with (default cfg.quant)."""
     run = abstract_run(cfg, spec, rules)
     opt_bytes = per_device_bytes(run.state.opt_state, run.state_shardings.opt_state)
     state_bytes = per_device_bytes(run.state, run.state_shardings)
+    share = judge_share(cfg, spec, rules, run, judge_quant)
+    beside_step = 0
+    if share is not None:  # what the local judge holds for the whole run (module docstring)
+        opt_bytes += share.beside_sampler
+        state_bytes += share.beside_step
+        beside_step = share.beside_step
     rows = []
     for name, lower, resident in (("sampler", lower_sampler, opt_bytes),
                                   ("prefill", lower_prefill, opt_bytes),
@@ -291,10 +360,104 @@ def _plan(cfg, spec, rules, capacity: int | None) -> list[ProgramMemory | OutOfM
         except OutOfMemory as e:  # the other program's figures still tell where memory goes
             rows.append(e)
     try:
-        rows.append(_step_memory(cfg, spec, rules, run, capacity))
+        rows.append(_step_memory(cfg, spec, rules, run, capacity, beside_step))
     except OutOfMemory as e:
         rows.append(e)
     return rows
+
+
+def _tree_bytes(tree) -> int:
+    """Bytes one device holds of ShapeDtypeStructs that carry their shardings."""
+    leaves = [a for a in jax.tree_util.tree_leaves(tree) if hasattr(a, "shape")]
+    return sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
+               if getattr(a, "sharding", None) is not None
+               else math.prod(a.shape) * a.dtype.itemsize for a in leaves)
+
+
+@dataclasses.dataclass(frozen=True)
+class JudgeShare:
+    """What a `judge.local` judge holds on each device for the whole run (bytes per device):
+    the policy's engine (its slots' cache and the rest of their state) and, for model:PATH, the
+    second model's weights and its own engine."""
+
+    local: str  # judge.local
+    shared: bool  # the judge decodes in the policy's engine
+    slots: int  # judge.slots (rounded up to the batch shards)
+    columns: int  # cache columns of a judge slot
+    cache: int  # the judge's slots' KV cache (keys and values)
+    engine_slots: int  # slots of the policy's engine (rollout rows, plus the judge's if shared)
+    engine_columns: int
+    engine_cache: int  # the policy's engine's KV cache
+    engine_state: int  # the policy's engine's slots, cache included
+    judge_state: int = 0  # model:PATH: the judge's engine's slots, cache included
+    weights: int = 0  # model:PATH: the second model's params
+    adapter: int = 0  # adapter:DIR: the judge's adapter (a stand-in of the policy's structure)
+    model: str = ""  # model:PATH: the second model's architecture, in words
+
+    @property
+    def beside_sampler(self) -> int:
+        """Resident beside the policy's decode programs (whose arguments hold its engine)."""
+        return self.weights + self.judge_state
+
+    @property
+    def beside_step(self) -> int:
+        """Resident beside the reference pass and the GRPO step: every engine and judge."""
+        return self.engine_state + self.judge_state + self.weights + self.adapter
+
+    def describe(self) -> str:
+        """The report's judge line."""
+        head = (f"judge (judge.local {self.local}): {self.slots} slots x {self.columns} "
+                f"columns, {_gib(self.cache)} GiB of KV cache")
+        if self.shared:
+            return (f"{head}, in the policy's engine of {self.engine_slots} slots x "
+                    f"{self.engine_columns} columns ({_gib(self.engine_cache)} GiB of KV cache, "
+                    f"{_gib(self.engine_state)} GiB of slots, held through the reference pass "
+                    "and the GRPO step too)"
+                    + (f"; judge adapter {_gib(self.adapter)} GiB (a stand-in of the policy's "
+                       "rank and targets)" if self.adapter else ""))
+        return (f"{head}, in an engine of its own ({_gib(self.judge_state)} GiB of slots); the "
+                f"second model ({self.model}) {_gib(self.weights)} GiB of weights; the policy's "
+                f"engine {self.engine_slots} slots x {self.engine_columns} columns "
+                f"({_gib(self.engine_state)} GiB of slots); all resident beside every program")
+
+
+SHRINK_JUDGE = ("shrink judge.slots, judge.max_tokens or judge.max_prompt_tokens (the judge's "
+                "slots and columns) or sampling.slots (the rollout's slots)")
+
+
+def judge_share(cfg, spec, rules, run: AbstractRun | None = None,
+                judge_quant=None) -> JudgeShare | None:
+    """The local judge's share of device memory (`JudgeShare`), None without judge.local, from
+    abstract shapes: the engines `local_judge.layout` lays out for the run's rows on `rules`'
+    mesh, and for model:PATH the second model (its architecture from PATH's config.json or a
+    preset, `architecture`) as `load_model` holds it abstractly, quantized per judge_quant
+    (default cfg.quant), as `JudgeService` loads it."""
+    if not cfg.judge.local:
+        return None
+    from jaxrl.rewards.local_judge import judge_kind
+
+    run = run if run is not None else abstract_run(cfg, spec, rules)
+    lay = _layout(cfg, rules, run)
+    kind, path = judge_kind(cfg)
+    engine = _slots(cfg, spec, rules, run)
+    engine_cache = _tree_bytes((engine.cache.k, engine.cache.v))
+    fields = dict(local=cfg.judge.local, shared=lay.shared, slots=lay.judge_slots,
+                  engine_slots=lay.policy_slots, engine_columns=lay.policy_capacity,
+                  engine_cache=engine_cache, engine_state=_tree_bytes(engine))
+    if lay.shared:
+        return JudgeShare(columns=lay.policy_capacity,
+                          cache=engine_cache * lay.judge_slots // lay.policy_slots,
+                          adapter=_tree_bytes(run.lora) if kind == "adapter" else 0, **fields)
+    judge_spec = architecture(path)
+    params = load_model(judge_spec, dtype=cfg.model.dtype,
+                        quant=judge_quant if judge_quant is not None else cfg.quant,
+                        numerics=run.numerics, rules=rules, weights="abstract").params
+    state = abstract_slots(params, judge_spec, lay.judge_slots, lay.judge_capacity, rules,
+                           numerics=run.numerics)
+    return JudgeShare(columns=lay.judge_capacity, cache=_tree_bytes((state.cache.k, state.cache.v)),
+                      judge_state=_tree_bytes(state), weights=_tree_bytes(params),
+                      model=f"{judge_spec.family}, {judge_spec.num_layers} layers, "
+                            f"{judge_spec.hidden_size} hidden", **fields)
 
 
 def with_dequantize(cfg, strategy: str):
@@ -357,7 +520,7 @@ def dense_fit(cfg, spec, rules: MeshRules | None = None,
         fits = False
     else:
         try:
-            entries = tuple(_plan(dense, spec, rules, capacity))
+            entries = tuple(_plan(dense, spec, rules, capacity, **_judge_quant(cfg)))
         except Exception as e:  # noqa: BLE001  (no plan: the memory question stays open)
             fits, note = None, f"the plan with dense kernels failed: {type(e).__name__}: {e}"
         else:
@@ -395,9 +558,10 @@ def _gib(n: int) -> str:
 
 
 def report(entries: list[ProgramMemory | OutOfMemory], capacity: int | None,
-           source: str = "") -> tuple[str, bool]:
+           source: str = "", judge: JudgeShare | None = None) -> tuple[str, bool]:
     """The table `jaxrl plan` prints, and whether the run fits; `source` says where the
-    capacity comes from."""
+    capacity comes from; `judge`: a local judge's share, a line of its own (and where the run
+    does not fit, what of the judge's to shrink)."""
     lines = ["| program | argument | output | aliased | temporary | peak | + resident | need |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     rows = [e for e in entries if isinstance(e, ProgramMemory)]
@@ -414,4 +578,8 @@ def report(entries: list[ProgramMemory | OutOfMemory], capacity: int | None,
     spare = "" if capacity is None or not fits else f", {_gib(capacity - need)} GiB to spare"
     lines.append(f"GiB per device; needs {_gib(need)} GiB of {cap}: "
                  f"{'fits' if fits else 'DOES NOT FIT'}{spare}")
+    if judge is not None:
+        lines.append(judge.describe())
+        if not fits:
+            failed.append(f"DOES NOT FIT with the local judge: {SHRINK_JUDGE}")
     return "\n".join(lines + failed), fits

@@ -10,7 +10,9 @@ against --mem-fraction (default: that variable) of it; a TPU chip's figure is wh
 compiler reports as usable. With several hosts the plan also checks that each host can feed
 the rows its chips hold (hosts whose chips share a batch shard sample and score it alike).
 The step is compiled with optim.remat's policy; under auto, with the one a run would take
-(jaxrl/rl/remat.py), which the step's row names.
+(jaxrl/rl/remat.py), which the step's row names. With judge.local the engines are planned as
+the run holds them (the judge's slots and columns, a second model's weights) and a line gives
+the judge's share; a run that does not fit names the judge's settings to shrink.
 
 `--topology v5e:4x4` compiles for a TPU slice without TPUs, through libtpu
 (`pip install -e '.[tpu]'`); without it the local devices are used.
@@ -48,7 +50,8 @@ def _plan(args) -> int:
 
     from jaxrl.commands.train import QUICKSTART
     from jaxrl.hf.loader import architecture
-    from jaxrl.planner import host_layout, plan_memory, report, topology_devices
+    from jaxrl.planner import (SHRINK_JUDGE, host_layout, judge_share, plan_memory, report,
+                               topology_devices)
     from jaxrl.sharding import MeshRules, make_mesh
 
     cfg = load_config(args.config or QUICKSTART, args.overrides)
@@ -63,10 +66,12 @@ def _plan(args) -> int:
           f"{cfg.sampling.max_new_tokens} new tokens; {cfg.quant.mode} + LoRA r{cfg.lora.rank}")
     print(f"hosts: {host_layout(cfg, rules)}")
     capacity, source = device_memory(devices, args.device_memory, args.mem_fraction)
-    text, fits = report(plan_memory(cfg, spec, rules, capacity), capacity, source)
+    entries = plan_memory(cfg, spec, rules, capacity)
+    text, fits = report(entries, capacity, source, judge_share(cfg, spec, rules))
     print(text)
     if not fits:
         print("jaxrl plan: the run does not fit the device memory; shard further (mesh.fsdp), "
-              "shorten sampling.max_new_tokens or set optim.micro_batch_size", file=sys.stderr)
+              "shorten sampling.max_new_tokens or set optim.micro_batch_size"
+              + (f"; {SHRINK_JUDGE}" if cfg.judge.local else ""), file=sys.stderr)
     return 0 if fits else 1
 

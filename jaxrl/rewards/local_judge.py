@@ -190,6 +190,14 @@ class JudgeService:
         self.policy.lora = AdapterSet.of([lora, *self._judges]) if self.layout.shared else lora
         return self.policy
 
+    def resident_bytes(self) -> int:
+        """Bytes per device the engines (and a second model's weights) hold for the run."""
+        from jaxrl.bench.limits import device_bytes
+
+        held = [self.policy.state] + ([] if self.judge is self.policy
+                                      else [self.judge.state, self.judge.params])
+        return sum(device_bytes(tree) for tree in held)
+
     @property
     def policy_adapter(self) -> int:
         return POLICY if self.layout.shared else 0

@@ -65,7 +65,8 @@ class AutoRematStep:
     """The GRPO step under `optim.remat: auto`, called as the jitted step is:
     (state, params, batch) -> (state, metrics), the state donated. Each batch shape it meets is
     compiled once with the policy `choose` picks; `policies` and `compiled` map those shapes
-    to it and to the compiled program."""
+    to it and to the compiled program. `reserve(bytes)`: memory per device that other buffers
+    hold for the whole run (a local judge's engine), left out of what the step may take."""
 
     def __init__(self, spec, optimizer, opts, shardings=None):
         self._steps = {p: compile_train_step(spec, optimizer, dataclasses.replace(opts, remat=p),
@@ -73,6 +74,7 @@ class AutoRematStep:
         devices = (jax.local_devices() if shardings is None
                    else list(jax.tree_util.tree_leaves(shardings)[0].device_set))
         self._capacity = device_memory(devices)[0]
+        self._reserved = 0
         self.compiled: dict[tuple, Any] = {}
         self.policies: dict[tuple, str] = {}
 
@@ -80,12 +82,17 @@ class AutoRematStep:
         key = _signature(batch)
         if key not in self.compiled:
             lower = lambda p: self._steps[p].lower(state, params, batch)  # noqa: E731
-            policy, compiled = choose(lower, self._capacity)
+            capacity = None if self._capacity is None else self._capacity - self._reserved
+            policy, compiled = choose(lower, capacity)
             agreed = AUTO_ORDER[distributed.host_max(AUTO_ORDER.index(policy))]
             if agreed != policy:  # another process's memory holds less
                 policy, compiled = agreed, lower(agreed).compile()
             self.compiled[key], self.policies[key] = compiled, policy
         return self.compiled[key](state, params, batch)
+
+
+    def reserve(self, nbytes: int) -> None:
+        self._reserved += int(nbytes)
 
 
 def compile_step(spec, optimizer, opts, shardings=None):

@@ -146,6 +146,8 @@ class Session:
         self.rewards = RewardPool(cfg)
         if self.judge is not None:
             self.rewards.while_waiting = self.judge.wait
+            if hasattr(self.train_step, "reserve"):  # optim.remat auto: the engine stays
+                self.train_step.reserve(self.judge.resident_bytes())
         self._progress, self._task = _progress_bar(cfg, self.start_step)
 
     def _local_judge(self):

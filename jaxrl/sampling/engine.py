@@ -252,8 +252,9 @@ class Engine:
             return
         u = self._rows(distributed.host_max(len(distinct)))
         width = bucket(distributed.host_max(max((len(p) for _, p in distinct), default=1)))
-        if share > 1:  # the prefill's columns are the block's prompt columns
-            width = min(width, self.prompt_capacity)
+        # the prefill's columns fit the slot's (a block's: its prompt columns); a prompt fits
+        # them, its bucket may not where the capacity is no power of two
+        width = min(width, self.prompt_capacity if share > 1 else self.capacity)
         m, n = self._rows(m) * share, n * share
         prompts, lengths = np.zeros((u, width), np.int32), np.ones((u,), np.int32)
         adapter = np.zeros((u,), np.int32)

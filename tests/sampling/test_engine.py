@@ -248,3 +248,17 @@ def test_decode_logits_are_the_heads_logits(tiny):
     want = lm_logits(params, h, spec)
     assert got.shape == want.shape == (5, spec.vocab_size) and got.dtype == jnp.float32
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_capacity_that_is_no_power_of_two_holds_a_prompt_whose_bucket_it_does_not(tiny):
+    # a 30-token prompt is prefilled 32 columns wide; the slots hold 34 columns (a local
+    # judge's engine: judge prompt columns + reply tokens)
+    model, spec, params = tiny
+    engine = Engine(params, spec, slots=2, capacity=34, chunk=4)
+    request = engine.submit(Request(PROMPTS[2], Decoding(0.0), 4))
+    engine.run()
+    np.testing.assert_array_equal(request.tokens, hf_greedy(model, PROMPTS[2], 4))
+    engine = Engine(params, spec, slots=2, capacity=20, chunk=4)  # 16 < 17 tokens < 32
+    request = engine.submit(Request(list(range(3, 20)), Decoding(0.0), 2))
+    engine.run()
+    np.testing.assert_array_equal(request.tokens, hf_greedy(model, list(range(3, 20)), 2))
