@@ -42,7 +42,7 @@ from jaxrl.lora.lora import Lora
 from jaxrl.model.families import ModelSpec
 from jaxrl.model.transformer import Params
 from jaxrl.sampling.buckets import bucket
-from jaxrl.sampling.programs import Chunk, admit, extend, generate, init_slots
+from jaxrl.sampling.programs import Chunk, admit, extend, generate, init_slots, retire
 from jaxrl.sampling.requests import EngineStats, Request
 from jaxrl.sampling.sampling_fns import Decoding, Features, RowSettings
 from jaxrl.sharding import MeshRules
@@ -173,6 +173,38 @@ class Engine:
             del self._busy[block]
             self._free.append(block)
 
+    def cancel(self, request: Request) -> None:
+        """Stop `request` (callable from any thread, at any time): one still queued never
+        starts; one decoding is dropped before the next step decodes, its slot freed; no token
+        decoded for it after this call is handed to it or counted. It then finishes with
+        finish_reason "cancelled" (on_done is called on the engine's thread). A request that
+        has finished already is left as it is."""
+        request.cancelled = True
+
+    def _drop_cancelled(self) -> None:
+        """Finish the cancelled requests: drop queued ones and continuations, and retire the
+        slots of decoding ones (every process calls it)."""
+        for group in list(self._queue):
+            if all(r.cancelled for r in group):  # a block's group goes in unless all are
+                self._queue.remove(group)
+                for request in group:
+                    request._end("cancelled")
+        for request in [r for r in self._continuations if r.cancelled]:
+            self._continuations.remove(request)
+            request._end("cancelled")
+        gone = [slot for slot, r in self._active.items() if r.cancelled]
+        if not distributed.host_max(len(gone)):
+            return
+        stop = np.zeros(self._local_slots, bool)
+        stop[[slot - self._first for slot in gone]] = True
+        if self.shardings is not None:
+            stop = distributed.rows_to_global(self.shardings, stop)
+        self.state = retire(self.state, stop)
+        for slot in gone:
+            request = self._active.pop(slot)
+            self._free_slot(slot)
+            request._end("cancelled")
+
     def busy(self) -> bool:
         """Requests wait or decode in this process."""
         return bool(self._queue or self._continuations or self._active)
@@ -183,6 +215,7 @@ class Engine:
         left (every process calls it the same number of times)."""
         if self.feed is not None:
             self.feed()
+        self._drop_cancelled()
         self._admit()
         self._extend()
         if distributed.host_max(len(self._active)):
@@ -192,9 +225,11 @@ class Engine:
                                          features=self._features("generate"))
             chunk, live = self._local((chunk, self.state.live))
             adapters = np.zeros(self._local_slots, np.int64)
+            counted = np.zeros(self._local_slots, bool)
             for slot, request in self._active.items():
                 adapters[slot - self._first] = request.adapter
-            self.stats.count_chunk(chunk.emitted, adapters)
+                counted[slot - self._first] = not request.cancelled
+            self.stats.count_chunk(chunk.emitted & counted[:, None], adapters)
             self._dispatch(chunk, live)
         return bool(distributed.host_max(int(self.busy())))
 
@@ -289,7 +324,10 @@ class Engine:
 
     def _start(self, request: Request, i: int, picked, done) -> None:
         """Hand a request its first token (row i of picked and done) and mark it live or
-        finished."""
+        finished (a cancelled one gets no token; its slot is freed at the next step)."""
+        if request.cancelled:
+            self._active[request.slot] = request
+            return
         request._emit(int(picked.token[i]), float(picked.logprob[i]), picked.top_ids[i],
                       picked.top_logprobs[i])
         if done[i]:
@@ -338,6 +376,8 @@ class Engine:
     def _dispatch(self, chunk: Chunk, live) -> None:
         for slot, request in list(self._active.items()):
             row = slot - self._first
+            if request.cancelled:  # its tokens are dropped; `_drop_cancelled` frees the slot
+                continue
             for j in np.flatnonzero(chunk.emitted[row]):
                 request._emit(int(chunk.tokens[row, j]), float(chunk.logprobs[row, j]),
                               chunk.top_ids[row, j], chunk.top_logprobs[row, j])

@@ -38,6 +38,9 @@ the shapes):
             each such slot's cache to its kept tokens, append up to A tokens [S, A] there in one
             pass over every slot (those not continued are left as they were), and draw each
             continued slot's first new token under its new key, settings and budget.
+Adapters: with an `AdapterSet` as the programs' lora, each slot decodes with its own adapter
+(`Slots.adapter`, its index; `admit` takes each prefilled prompt's), through the set's rows form
+(`AdapterSet.for_rows`): the indices are data, so a new mix of adapters compiles nothing.
 Settings, keys, budgets and prompt lengths are data; which parts of the token choice a program
 holds (greedy choice, draws, each filter, the penalties, top log-probs) is static, the
 `Features` the host computes from the settings of the slots it fills and holds
@@ -315,6 +318,13 @@ def generate(state: Slots, params: Params, lora: Lora | AdapterSet | None, *, sp
     _, state, out = jax.lax.while_loop(lambda c: (c[0] < steps) & jnp.any(c[1].live), body,
                                        (jnp.zeros((), jnp.int32), state, empty))
     return state, out
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def retire(state: Slots, stop: jax.Array) -> Slots:
+    """state with the slots where stop [S] is True no longer live (cancelled: the next
+    `generate` leaves them as they are and they emit nothing)."""
+    return state.replace(live=state.live & ~stop)
 
 
 def _appended_history(history: History, tokens: jax.Array, count: jax.Array,

@@ -46,7 +46,8 @@ class Request:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     # per token: the decoding.top_logprobs most likely (token id, log-prob), best first
     top_logprobs: list[tuple[tuple[int, float], ...]] = dataclasses.field(default_factory=list)
-    finish_reason: str | None = None  # "stop" (an EOS id) or "length"
+    finish_reason: str | None = None  # "stop" (an EOS id), "length" or "cancelled"
+    cancelled: bool = False  # `Engine.cancel` was called: no token of it is handed out after
     slot: int | None = None  # the slot it decodes in (and holds, once finished, when `hold`)
     column: int = 0  # the cache column (= position) of its first generated token
 
@@ -61,7 +62,10 @@ class Request:
             self.on_token(token, logprob)
 
     def _finish(self, stopped: bool) -> None:
-        self.finish_reason = "stop" if stopped else "length"
+        self._end("stop" if stopped else "length")
+
+    def _end(self, reason: str) -> None:
+        self.finish_reason = reason
         if self.on_done is not None:
             self.on_done(self)
 

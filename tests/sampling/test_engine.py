@@ -262,3 +262,33 @@ def test_a_capacity_that_is_no_power_of_two_holds_a_prompt_whose_bucket_it_does_
     request = engine.submit(Request(list(range(3, 20)), Decoding(0.0), 2))
     engine.run()
     np.testing.assert_array_equal(request.tokens, hf_greedy(model, list(range(3, 20)), 2))
+
+
+def test_cancel_frees_the_slot_at_the_next_step_and_hands_out_nothing_after(tiny):
+    _, spec, params = tiny
+    engine = Engine(params, spec, slots=2, capacity=64, chunk=4)
+    got = []
+    long = engine.submit(Request(PROMPTS[0], Decoding(0.0), 40,
+                                 on_token=lambda t, lp: got.append(t)))
+    other = engine.submit(Request(PROMPTS[1], Decoding(0.0), 40))
+    queued = engine.submit(Request(PROMPTS[3], Decoding(0.0), 6))
+    never = engine.submit(Request(PROMPTS[4], Decoding(0.0), 6))
+    engine.step()  # both slots decode; two requests wait
+    engine.cancel(long)
+    engine.cancel(never)
+    before, tokens = list(got), engine.stats.tokens
+    engine.step()  # long's slot is freed before this step decodes, queued takes it
+    assert long.finish_reason == "cancelled" and got == before == long.tokens
+    assert never.finish_reason == "cancelled" and never.tokens == []
+    assert queued.slot == long.slot and engine.stats.tokens - tokens == 4 + 4  # other + queued
+    engine.run()
+    assert queued.finish_reason == "length" and len(queued.tokens) == 6
+    assert other.finish_reason == "length" and len(other.tokens) == 40
+    # cancelled between steps: nothing more is decoded for it
+    mid = engine.submit(Request(PROMPTS[2], Decoding(0.0), 30))
+    engine.step()
+    first = list(mid.tokens)
+    engine.cancel(mid)
+    engine.step()
+    assert mid.finish_reason == "cancelled" and mid.tokens == first
+    assert not engine.busy()
