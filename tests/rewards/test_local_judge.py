@@ -116,3 +116,28 @@ def test_a_prompt_too_long_fails_as_a_judge_failure_and_replies_are_cached(chat_
 def test_a_local_judge_outside_training_is_a_config_error(tmp_path):
     with pytest.raises(RewardConfigError, match="only `jaxrl train` runs"):
         Judge(_cfg(tmp_path).judge, tmp_path)
+
+
+def test_a_second_model_judges_in_an_engine_of_its_own(chat_model, tiny_chat, tmp_path):
+    spec, params, tokenizer, eos, lora = chat_model
+    cfg = _cfg(tmp_path, f"judge.local=model:{tiny_chat[0]}", "quant.mode=none",
+               "model.dtype=float32")
+    with JudgeService(cfg, spec, params, tokenizer, eos, lora, rows=4, log=lambda m: None) as s:
+        assert s.judge is not s.policy and s.policy_adapter == 0
+        asker = _Asker(Judge(cfg.judge, tmp_path))
+        reply = asker.ask(ASK)
+        while not s._inbox:
+            pass
+        sample(params, spec, [[5, 6, 7, 8]] * 4, jax.random.PRNGKey(0), cfg.sampling,
+               eos_ids=eos, engine=s.policy_engine(lora), adapter=s.policy_adapter)
+        s.wait(reply.done)
+        text = reply.result().text
+        metrics = s.metrics()
+        assert s.resident_bytes() > 0
+        asker.close()
+    assert metrics["judge/requests"] == 1 and metrics["judge/beside_rollout_steps"] > 0
+    alone = Engine(params, spec, eos_ids=eos, slots=1, capacity=256)  # the same weights here
+    ids = text_ids(tokenizer, chat_prompt_text(tokenizer, ASK, thinking=False))
+    request = alone.submit(Request(ids, Decoding(0.0), 6))
+    alone.run()
+    assert text == tokenizer.decode(request.tokens, skip_special_tokens=True)
