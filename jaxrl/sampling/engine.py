@@ -59,13 +59,20 @@ class Engine:
     once, in the first prompt_capacity of each slot's capacity columns, and every step reads
     them once for the R slots. Such slots are freed a block at a time and cannot be held for
     continuations. numerics: the backend forms its programs take (`jaxrl.backends.numerics`;
-    None: the choice for the mesh's devices, or the default device's)."""
+    None: the choice for the mesh's devices, or the default device's). prefill_chunk (share
+    1): a prompt longer than this many tokens is prefilled this many tokens a step, each piece
+    in the step's `extend` pass, so the requests decoding meanwhile keep their pace (0: a
+    prompt in one piece); it draws its first token once its last piece is in."""
 
     def __init__(self, params: Params, spec: ModelSpec, *, eos_ids: Sequence[int] = (),
                  slots: int = 16, capacity: int = 2048, chunk: int = 16,
                  lora: Lora | AdapterSet | None = None, shardings: MeshRules | None = None,
                  share: int = 1,
-                 prompt_capacity: int = 0, numerics: Numerics | None = None):
+                 prompt_capacity: int = 0, numerics: Numerics | None = None,
+                 prefill_chunk: int = 0):
+        if prefill_chunk and (share > 1 or prefill_chunk < 1):
+            raise ValueError(f"prefill_chunk ({prefill_chunk}) takes a positive number of tokens "
+                             "and an engine without shared prompts (share 1)")
         if slots < 1 or capacity < 2 or chunk < 1:
             raise ValueError(f"an engine needs slots >= 1, capacity >= 2 and chunk >= 1; got "
                              f"{slots}, {capacity}, {chunk}")
@@ -91,6 +98,9 @@ class Engine:
         self._continuations: deque[Request] = deque()
         self._active: dict[int, Request] = {}
         self._held: dict[int, Request] = {}  # slot -> the finished request holding it
+        self.prefill_chunk = prefill_chunk
+        # slot -> [request, prompt tokens cached, admitted this step (its next piece waits)]
+        self._prefilling: dict[int, list] = {}
         self._used: dict[str, set[Features]] = {}  # program -> the features it ran with
         self.stats = EngineStats()
         # called at the start of every step: submits requests that wait outside the engine
@@ -192,6 +202,11 @@ class Engine:
         for request in [r for r in self._continuations if r.cancelled]:
             self._continuations.remove(request)
             request._end("cancelled")
+        for slot, (request, *_) in list(self._prefilling.items()):
+            if request.cancelled:  # not live: its pieces so far are left, unread
+                del self._prefilling[slot]
+                self._free_slot(slot)
+                request._end("cancelled")
         gone = [slot for slot, r in self._active.items() if r.cancelled]
         if not distributed.host_max(len(gone)):
             return
@@ -207,7 +222,7 @@ class Engine:
 
     def busy(self) -> bool:
         """Requests wait or decode in this process."""
-        return bool(self._queue or self._continuations or self._active)
+        return bool(self._queue or self._continuations or self._active or self._prefilling)
 
     def step(self) -> bool:
         """Fill free slots, append continuations, decode one chunk, hand out tokens; whether
@@ -280,8 +295,12 @@ class Engine:
         blocks = [self._free.popleft() for _ in range(n)]
         self._busy.update((block, share) for block in blocks)
         dst = [block * share + i for block in blocks for i in range(share)]
+        c = self.prefill_chunk
+        chunked = [bool(c) and len(q.prompt) > c for q in take]  # the first piece now
+        parts = [tuple(q.prompt[:c] if cut else q.prompt) for q, cut in zip(take, chunked)]
         distinct: dict[tuple[int, tuple[int, ...]], int] = {}  # (adapter, prompt) -> row
-        src = [distinct.setdefault((q.adapter, tuple(q.prompt)), len(distinct)) for q in take]
+        src = [distinct.setdefault((q.adapter, part), len(distinct))
+               for q, part in zip(take, parts)]
         m = distributed.host_max(n)
         if m == 0:
             return
@@ -304,7 +323,8 @@ class Engine:
             keys=np.stack([np.asarray(r.key, np.uint32) for r in take]
                           + [np.zeros(2, np.uint32)] * pad),
             settings=RowSettings.of([r.decoding for r in take] + [Decoding()] * pad),
-            budget=np.asarray([r.max_new_tokens for r in take] + [1] * pad, np.int32))
+            budget=np.asarray([0 if cut else r.max_new_tokens for r, cut in zip(take, chunked)]
+                              + [1] * pad, np.int32))
         data = (prompts, lengths, adapter, rows)
         if self.shardings is not None:
             data = distributed.rows_to_global(self.shardings, data)
@@ -318,9 +338,12 @@ class Engine:
         p, done = self._local((picked, done))
         self.stats.prefills += len(distinct)
         self.stats.admitted += n
-        for i, (request, slot) in enumerate(zip(take, dst)):
+        for i, (request, slot, cut) in enumerate(zip(take, dst, chunked)):
             request.slot, request.column = slot, len(request.prompt)
-            self._start(request, i, p, done)
+            if cut:
+                self._prefilling[slot] = [request, c, True]
+            else:
+                self._start(request, i, p, done)
 
     def _start(self, request: Request, i: int, picked, done) -> None:
         """Hand a request its first token (row i of picked and done) and mark it live or
@@ -344,34 +367,55 @@ class Engine:
         request._finish(request.tokens[-1] in self.eos_ids)
 
     def _extend(self) -> None:
-        """Append every queued continuation to its slot in one `extend` pass."""
+        """Append every queued continuation to its slot, and the next piece of every prompt
+        prefilled in chunks to its own, in one `extend` pass."""
         take = list(self._continuations)
         self._continuations.clear()
-        if distributed.host_max(len(take)) == 0:
+        pieces = []  # (slot, tokens, first column, budget: 0 until the last piece)
+        for request in take:
+            pieces.append((request.follows.slot, request.appended(), request.start(),
+                           request.max_new_tokens))
+            request.slot = request.follows.slot
+            request.column = request.start() + len(request.appended())
+            del self._held[request.slot]
+        filling = [(slot, entry) for slot, entry in self._prefilling.items() if not entry[2]]
+        for entry in self._prefilling.values():
+            entry[2] = False  # one piece a step: the next one at the next step
+        for slot, (request, cached, _) in filling:
+            piece = list(request.prompt[cached:cached + self.prefill_chunk])
+            last = cached + len(piece) == len(request.prompt)
+            pieces.append((slot, piece, cached, request.max_new_tokens if last else 0))
+        if distributed.host_max(len(pieces)) == 0:
             return
-        width = bucket(distributed.host_max(max((len(r.appended()) for r in take), default=1)))
+        width = bucket(distributed.host_max(max((len(p[1]) for p in pieces), default=1)))
         n = self._local_slots
         tokens, start = np.zeros((n, width), np.int32), np.zeros((n,), np.int32)
         count, budget = np.zeros((n,), np.int32), np.ones((n,), np.int32)
         keys, decodings = np.zeros((n, 2), np.uint32), [Decoding()] * n
-        for request in take:
-            row, ids = request.follows.slot - self._first, request.appended()
-            tokens[row, :len(ids)], start[row], count[row] = ids, request.start(), len(ids)
+        owners = take + [entry[0] for _, entry in filling]
+        for request, (slot, ids, first, room) in zip(owners, pieces):
+            row = slot - self._first
+            tokens[row, :len(ids)], start[row], count[row] = ids, first, len(ids)
             keys[row], decodings[row] = np.asarray(request.key, np.uint32), request.decoding
-            budget[row] = request.max_new_tokens
-            request.slot, request.column = request.follows.slot, request.start() + len(ids)
-            del self._held[request.slot]
+            budget[row] = room
         data = (tokens, start, count, keys, RowSettings.of(decodings), budget)
         if self.shardings is not None:
             data = distributed.rows_to_global(self.shardings, data)
         self.state, picked, done = extend(self.state, self.params, self.lora, *data,
                                           spec=self.spec, eos_ids=self.eos_ids,
                                           shardings=self.shardings, numerics=self.numerics,
-                                          features=self._features("extend", take))
+                                          features=self._features("extend", owners))
         picked, done = self._local((picked, done))
         self.stats.continued += len(take)
+        self.stats.prefill_pieces += len(filling)
         for request in take:
             self._start(request, request.slot - self._first, picked, done)
+        for slot, entry in filling:
+            request, cached, _ = entry
+            entry[1] = min(cached + self.prefill_chunk, len(request.prompt))
+            if entry[1] == len(request.prompt):
+                del self._prefilling[slot]
+                self._start(request, slot - self._first, picked, done)
 
     def _dispatch(self, chunk: Chunk, live) -> None:
         for slot, request in list(self._active.items()):

@@ -348,7 +348,9 @@ def extend(state: Slots, params: Params, lora: Lora | AdapterSet | None, tokens:
     """Continue the slots with count [S] > 0 (module docstring): their caches keep columns
     [0, start) and gain the first count tokens of tokens [S, A] (right-padded) behind them;
     then each draws a first token with keys [S, 2], settings [S] (which features must cover
-    for those slots, `Features.covers`) and budget [S]. Slots with
+    for those slots, `Features.covers`) and budget [S] (0: a piece of a prompt prefilled in
+    chunks, whose draw is only a placeholder: the slot is done and the token not recorded).
+    Slots with
     count 0 keep their state (the pass writes their cache only past their filled columns,
     which nothing reads). Returns the new state and, per slot [S], the first token with its
     log-probs (`Picked`) and whether the slot is already done."""
@@ -378,5 +380,6 @@ def extend(state: Slots, params: Params, lora: Lora | AdapterSet | None, tokens:
         count=pick(jnp.ones_like(count), state.count), budget=pick(budget, state.budget),
         keys=pick(keys, state.keys),
         settings=jax.tree_util.tree_map(pick, settings, state.settings),
-        history=jax.tree_util.tree_map(pick, seen.record(token, on), state.history))
+        history=jax.tree_util.tree_map(pick, seen.record(token, on & (budget > 0)),
+                                       state.history))
     return state, picked, done

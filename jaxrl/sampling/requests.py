@@ -93,7 +93,8 @@ def row_keys(key: jax.Array, rows: Sequence[int]) -> np.ndarray:
 class EngineStats:
     """Counters of this process's work: prompts prefilled, requests admitted, continuations
     appended to held slots, `generate` calls, decode steps run and tokens they emitted (a first
-    token comes from the prefill or the append and is not counted here); per adapter index,
+    token comes from the prefill or the append and is not counted here), the later pieces of
+    prompts prefilled in chunks (`Engine`'s prefill_chunk); per adapter index,
     the decode steps in which rows of that adapter emitted and the tokens they emitted, and
     the decode steps whose emitting rows used more than one adapter."""
 
@@ -103,6 +104,7 @@ class EngineStats:
     chunks: int = 0
     steps: int = 0
     tokens: int = 0
+    prefill_pieces: int = 0
     adapter_steps: dict[int, int] = dataclasses.field(default_factory=dict)
     adapter_tokens: dict[int, int] = dataclasses.field(default_factory=dict)
     mixed_steps: int = 0

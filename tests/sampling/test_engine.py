@@ -292,3 +292,27 @@ def test_cancel_frees_the_slot_at_the_next_step_and_hands_out_nothing_after(tiny
     engine.step()
     assert mid.finish_reason == "cancelled" and mid.tokens == first
     assert not engine.busy()
+
+
+@pytest.mark.parametrize("settings", [Decoding(0.0), Decoding(0.9, top_k=8, presence_penalty=0.5)])
+def test_chunked_prefill_decodes_what_one_piece_does_while_others_keep_decoding(tiny, settings):
+    model, spec, params = tiny
+    keys = row_keys(jax.random.PRNGKey(3), range(2))
+    outs = []
+    for chunk in (0, 8):
+        engine = Engine(params, spec, slots=2, capacity=64, chunk=2, prefill_chunk=chunk)
+        running = engine.submit(Request(PROMPTS[1], settings, 20, keys[0]))
+        engine.step()
+        long = engine.submit(Request(PROMPTS[2], settings, 8, keys[1]))  # 30 tokens: 4 pieces
+        paced = []
+        while not long.tokens:
+            before = len(running.tokens)
+            engine.step()
+            paced.append(len(running.tokens) - before)
+        engine.run()
+        outs.append((running.tokens, long.tokens))
+        if chunk:  # each step while the long prompt went in also decoded the running one
+            assert paced == [2, 2, 2, 2] and engine.stats.prefill_pieces == 3
+    assert outs[0] == outs[1]
+    if settings.temperature == 0:
+        np.testing.assert_array_equal(outs[1][1], hf_greedy(model, PROMPTS[2], 8))
