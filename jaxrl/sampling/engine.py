@@ -234,10 +234,13 @@ class Engine:
         self._admit()
         self._extend()
         if distributed.host_max(len(self._active)):
+            allowed = self._allowed({s - self._first: r for s, r in self._active.items()},
+                                    self._local_slots)
             self.state, chunk = generate(self.state, self.params, self.lora, spec=self.spec,
-                                         eos_ids=self.eos_ids, steps=self.chunk,
+                                         eos_ids=self.eos_ids,
+                                         steps=self.chunk if allowed is None else 1,
                                          shardings=self.shardings, numerics=self.numerics,
-                                         features=self._features("generate"))
+                                         features=self._features("generate"), allowed=allowed)
             chunk, live = self._local((chunk, self.state.live))
             adapters = np.zeros(self._local_slots, np.int64)
             counted = np.zeros(self._local_slots, bool)
@@ -275,6 +278,24 @@ class Engine:
                      default=need)
         used.add(chosen)
         return chosen
+
+    def _allowed(self, rows: dict[int, Request], n: int):
+        """[n, V] the tokens each of n rows may take next, row i's from rows[i]'s constraint
+        (all where it has none, or no request), laid out as the programs take it; None when no
+        process has a constrained request among its rows (every process calls it)."""
+        if not distributed.host_max(int(any(r.constraint is not None
+                                            for r in rows.values()))):
+            return None
+        v = self.spec.vocab_size
+        allowed = np.ones((n, v), bool)
+        for row, request in rows.items():
+            if request.constraint is not None:
+                mask = np.asarray(request.constraint.allowed(v), bool)[:v]
+                allowed[row] = False
+                allowed[row, :len(mask)] = mask
+        if self.shardings is not None:
+            allowed = distributed.rows_to_global(self.shardings, allowed)
+        return allowed
 
     def _local(self, tree):
         """This process's rows of device outputs split by rows, as numpy."""
@@ -334,7 +355,8 @@ class Engine:
             rows["dst"],
             rows["keys"], rows["settings"], rows["budget"], spec=self.spec,
             eos_ids=self.eos_ids, shardings=self.shardings, numerics=self.numerics,
-            features=self._features("admit", take))
+            features=self._features("admit", take),
+            allowed=self._allowed(dict(enumerate(take)), m))
         p, done = self._local((picked, done))
         self.stats.prefills += len(distinct)
         self.stats.admitted += n
@@ -404,7 +426,10 @@ class Engine:
         self.state, picked, done = extend(self.state, self.params, self.lora, *data,
                                           spec=self.spec, eos_ids=self.eos_ids,
                                           shardings=self.shardings, numerics=self.numerics,
-                                          features=self._features("extend", owners))
+                                          features=self._features("extend", owners),
+                                          allowed=self._allowed(
+                                              {slot - self._first: r for r, (slot, *_) in
+                                               zip(owners, pieces)}, n))
         picked, done = self._local((picked, done))
         self.stats.continued += len(take)
         self.stats.prefill_pieces += len(filling)

@@ -212,14 +212,16 @@ def admit(state: Slots, params: Params, lora: Lora | AdapterSet | None, prompts:
           lengths: jax.Array, adapter: jax.Array, src: jax.Array, dst: jax.Array,
           keys: jax.Array, settings: RowSettings, budget: jax.Array, *, spec: ModelSpec,
           eos_ids: tuple[int, ...], shardings: MeshRules | None = None,
-          numerics: Numerics = REFERENCE, features: Features = ALL):
+          numerics: Numerics = REFERENCE, features: Features = ALL,
+          allowed: jax.Array | None = None):
     """Prefill prompts [U, P] (right-padded; lengths [U]) under adapters adapter [U] (indices
     of an `AdapterSet` lora; ignored otherwise) and fill slots dst [M] from rows src [M] with
     keys [M, 2], settings [M] and budgets [M] (module docstring). With blocks of
     R slots sharing a prompt (state.prefix), M is a multiple of R and each R consecutive
     entries fill one block's slots in order from one row. features must cover the settings of
     the slots filled (`Features.covers`). Returns the new state and, per new slot [M], its
-    first token with its log-probs (`Picked`) and whether the slot is already done."""
+    first token with its log-probs (`Picked`) and whether the slot is already done. allowed
+    [M, V]: the tokens each new slot's first token may be (`next_token`; None: all)."""
     params, lora = _place(params, lora, spec, shardings, numerics, adapter)
     u, p = prompts.shape
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (u, p))
@@ -232,7 +234,7 @@ def admit(state: Slots, params: Params, lora: Lora | AdapterSet | None, prompts:
     seen = jax.tree_util.tree_map(lambda a: a[src],
                                   History.of_prompts(prompts, lengths, spec.vocab_size))
     picked = next_token(_fold(keys, 0), logits, settings, seen,
-                        vocab_top_k(shardings, *logits.shape), features)
+                        vocab_top_k(shardings, *logits.shape), features, allowed)
     token = picked.token
     done = jnp.isin(token, jnp.asarray(eos_ids, jnp.int32)) | (budget <= 1)
     put = lambda a, x: a.at[dst].set(x, mode="drop")
@@ -263,13 +265,17 @@ def admit(state: Slots, params: Params, lora: Lora | AdapterSet | None, prompts:
                                     "features"))
 def generate(state: Slots, params: Params, lora: Lora | AdapterSet | None, *, spec: ModelSpec,
              eos_ids: tuple[int, ...], steps: int, shardings: MeshRules | None = None,
-             numerics: Numerics = REFERENCE, features: Features = ALL) -> tuple[Slots, Chunk]:
+             numerics: Numerics = REFERENCE, features: Features = ALL,
+             allowed: jax.Array | None = None) -> tuple[Slots, Chunk]:
     """Advance every live slot by up to `steps` tokens (module docstring); features must cover
     the settings of the live slots (`Features.covers`). The columns of a slot that is not live
     at a step hold emitted False and zeros; with `numerics.fixed_chunk` the chunk runs all
     `steps` steps with no data-dependent branch or loop and gives what the early-stopping
     chunk gives (cache columns past a slot's filled ones aside, which nothing reads). An
-    `AdapterSet` lora gives each slot its own adapter (`Slots.adapter`)."""
+    `AdapterSet` lora gives each slot its own adapter (`Slots.adapter`). allowed [S, V]: the
+    tokens each slot may take next (a grammar's mask, `next_token`), with steps 1."""
+    if allowed is not None and steps != 1:
+        raise ValueError(f"a token mask holds for one step; got steps={steps}")
     params, lora = _place(params, lora, spec, shardings, numerics, state.adapter)
     s = state.last.shape[0]
     eos = jnp.asarray(eos_ids, jnp.int32)
@@ -287,7 +293,7 @@ def generate(state: Slots, params: Params, lora: Lora | AdapterSet | None, *, sp
                                  shardings=shardings, numerics=numerics)
         logits = decode_logits(params, h[:, -1], spec, shardings, numerics)  # [S, V]
         picked = next_token(_fold(st.keys, st.count), logits, st.settings, st.history, top_k,
-                            features)
+                            features, allowed)
         token, live = picked.token, st.live
         done = jnp.isin(token, eos) | (st.count + 1 >= st.budget)
         column = Chunk(tokens=jnp.where(live, token, 0),
@@ -344,7 +350,8 @@ def extend(state: Slots, params: Params, lora: Lora | AdapterSet | None, tokens:
            start: jax.Array,
            count: jax.Array, keys: jax.Array, settings: RowSettings, budget: jax.Array, *,
            spec: ModelSpec, eos_ids: tuple[int, ...], shardings: MeshRules | None = None,
-           numerics: Numerics = REFERENCE, features: Features = ALL):
+           numerics: Numerics = REFERENCE, features: Features = ALL,
+           allowed: jax.Array | None = None):
     """Continue the slots with count [S] > 0 (module docstring): their caches keep columns
     [0, start) and gain the first count tokens of tokens [S, A] (right-padded) behind them;
     then each draws a first token with keys [S, 2], settings [S] (which features must cover
@@ -370,7 +377,7 @@ def extend(state: Slots, params: Params, lora: Lora | AdapterSet | None, tokens:
                          lm_logits(params, last, spec, numerics))  # [S, V]
     seen = _appended_history(state.history, tokens, count, spec.vocab_size)
     picked = next_token(_fold(keys, 0), logits, settings, seen,
-                        vocab_top_k(shardings, *logits.shape), features)
+                        vocab_top_k(shardings, *logits.shape), features, allowed)
     token = picked.token
     done = jnp.isin(token, jnp.asarray(eos_ids, jnp.int32)) | (budget <= 1)
     pick = lambda new, old: jnp.where(on.reshape(-1, *([1] * (old.ndim - 1))), new, old)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +31,10 @@ class Request:
     the engine's adapters the request decodes with, where the engine holds an
     `jaxrl.lora.adapters.AdapterSet` (0: the base alone, i: its i-th); an engine with one
     adapter (or none) decodes every request with it and takes adapter 0 only. A continuation
-    decodes with the adapter of the request it follows."""
+    decodes with the adapter of the request it follows. constraint: what the request's tokens
+    must follow (a grammar, jaxrl/serve/structured.py), an object whose allowed(vocab) gives
+    the tokens it may take next ([vocab] bool) and advance(token) takes each token emitted;
+    while a constrained request decodes, the engine decodes every slot a token a step."""
 
     prompt: Sequence[int]
     decoding: Decoding = Decoding()
@@ -42,6 +46,7 @@ class Request:
     follows: "Request | None" = None  # a finished request that held its slot
     keep: int | None = None  # tokens of `follows` kept before `prompt` (None: all of them)
     adapter: int = 0
+    constraint: Any = None
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     # per token: the decoding.top_logprobs most likely (token id, log-prob), best first
@@ -53,6 +58,8 @@ class Request:
 
     def _emit(self, token: int, logprob: float, top_ids: np.ndarray,
               top_logprobs: np.ndarray) -> None:
+        if self.constraint is not None:
+            self.constraint.advance(token)
         self.tokens.append(token)
         self.logprobs.append(logprob)
         k = self.decoding.top_logprobs

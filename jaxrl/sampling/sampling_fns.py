@@ -398,15 +398,19 @@ class Picked:
 
 def next_token(keys: jax.Array, logits: jax.Array, settings: RowSettings,
                history: History, top_k: TopK = jax.lax.top_k,
-               features: Features = ALL) -> Picked:
+               features: Features = ALL, allowed: jax.Array | None = None) -> Picked:
     """The next token of each row from float32 logits [B, V], row b drawn with keys[b] under
     its own settings and history; log-probs of the tempered raw distribution (module
     docstring). top_k: `lax.top_k` over V, or where a mesh splits V the top-k that exchanges
     candidates (`jaxrl.sharding.vocab_top_k`). features: the parts the program holds; rows
-    they do not cover (`Features.covers`) get tokens that mean nothing."""
+    they do not cover (`Features.covers`) get tokens that mean nothing. allowed [B, V] bool:
+    the tokens each row may take (a grammar's mask; None: all), applied before the choice; the
+    log-probs stay those of the raw distribution."""
     is_greedy = settings.temperature == 0
     temperature = jnp.where(is_greedy, 1.0, settings.temperature)[:, None]
     adjusted = adjust_logits(logits, settings, history, features)
+    if allowed is not None:
+        adjusted = jnp.where(allowed, adjusted, -jnp.inf)
     if features.sampled:
         token = categorical(keys, filter_logits(adjusted / temperature, settings, top_k,
                                                 features))

@@ -316,3 +316,32 @@ def test_chunked_prefill_decodes_what_one_piece_does_while_others_keep_decoding(
     assert outs[0] == outs[1]
     if settings.temperature == 0:
         np.testing.assert_array_equal(outs[1][1], hf_greedy(model, PROMPTS[2], 8))
+
+
+class _Sequence:
+    """A constraint that allows exactly one token at a time: `tokens`, then the EOS id."""
+
+    def __init__(self, tokens, eos):
+        self.left, self.eos = list(tokens), eos
+
+    def allowed(self, vocab):
+        mask = np.zeros(vocab, bool)
+        mask[self.left[0] if self.left else self.eos] = True
+        return mask
+
+    def advance(self, token):
+        assert token == (self.left[0] if self.left else self.eos)
+        self.left = self.left[1:]
+
+
+@pytest.mark.parametrize("prefill_chunk", [0, 4])
+def test_a_constrained_request_takes_only_allowed_tokens_beside_a_free_one(tiny, prefill_chunk):
+    model, spec, params = tiny
+    engine = Engine(params, spec, eos_ids=(2,), slots=2, capacity=64, chunk=8,
+                    prefill_chunk=prefill_chunk)
+    free = engine.submit(Request(PROMPTS[0], Decoding(0.0), 12))
+    bound = engine.submit(Request(PROMPTS[1], Decoding(0.9), 12,
+                                  constraint=_Sequence([7, 8, 9, 7], eos=2)))
+    engine.run()
+    assert bound.tokens == [7, 8, 9, 7, 2] and bound.finish_reason == "stop"
+    np.testing.assert_array_equal(free.tokens, hf_greedy(model, PROMPTS[0], 12))
