@@ -17,7 +17,9 @@ top-k / top-p / min-p filtering (what `jaxrl.rl.logprobs.token_logprobs(..., tem
 computes, so the GRPO ratio starts at 1); for T = 0 (greedy) under the untempered
 log_softmax(logits).
 
-Stop strings are applied on the host after decoding (jaxrl/sampling/stop.py).
+Stop strings: between decode chunks (16 steps when there are stop strings) a row whose text
+holds one is cancelled and its slot freed (refilled, or the rollout ends once every row has
+ended); the rows are then cut at their first stop string on the host (jaxrl/sampling/stop.py).
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ from jaxrl.sampling.buckets import bucket, left_pad
 from jaxrl.sampling.engine import Engine
 from jaxrl.sampling.requests import Request, row_keys
 from jaxrl.sampling.sampling_fns import Decoding
-from jaxrl.sampling.stop import cut_at_stop
+from jaxrl.sampling.stop import cut_at_stop, stopped
 from jaxrl.sharding import MeshRules
 
 REFILL_CHUNK = 16  # decode steps between refills when rows outnumber slots
@@ -136,14 +138,14 @@ def sample(params: Params, spec: ModelSpec, prompts: Sequence[Sequence[int]], ke
     tokens, mask = left_pad(prompts, width)
     n = cfg.max_new_tokens
     if engine is not None:
-        requests = _decode_in(engine, prompts, decoding, n, key, adapter)
+        requests = _decode_in(engine, prompts, decoding, n, key, adapter, cfg.stop, detokenize)
         return _output(requests, tokens, mask, n, eos_ids, cfg, detokenize)
     share = _runs_gcd(prompts)
     if shardings is not None:
         share = distributed.host_gcd(share)
     slots, share = slot_layout(rows, share, cfg.slots,
                                1 if shardings is None else shardings.batch_ways)
-    chunk = bucket(n) if slots >= rows else min(bucket(n), REFILL_CHUNK)
+    chunk = bucket(n) if slots >= rows and not cfg.stop else min(bucket(n), REFILL_CHUNK)
     engine = Engine(params, spec, eos_ids=eos_ids, slots=slots, capacity=width + bucket(n),
                     chunk=chunk, lora=lora, shardings=shardings, share=share,
                     prompt_capacity=width, numerics=numerics)
@@ -151,18 +153,32 @@ def sample(params: Params, spec: ModelSpec, prompts: Sequence[Sequence[int]], ke
     requests = [Request(list(ids), decoding, n, keys[i]) for i, ids in enumerate(prompts)]
     for i in range(0, len(requests), share):
         engine.submit_group(requests[i:i + share])
-    engine.run()
+    _run_to_stops(engine, requests, cfg.stop, detokenize)
     return _output(requests, tokens, mask, n, eos_ids, cfg, detokenize)
 
 
 def _decode_in(engine: Engine, prompts, decoding: Decoding, n: int, key: jax.Array,
-               adapter: int) -> list[Request]:
+               adapter: int, stop=(), detokenize=None) -> list[Request]:
     """The requests of `prompts`, decoded in a given engine until they have finished."""
     keys = row_keys(key, range(len(prompts)))
     requests = [engine.submit(Request(list(ids), decoding, n, keys[i], adapter=adapter))
                 for i, ids in enumerate(prompts)]
-    engine.run_until(lambda: all(r.finish_reason is not None for r in requests))
+    _run_to_stops(engine, requests, stop, detokenize, until_done=True)
     return requests
+
+
+def _run_to_stops(engine: Engine, requests: list[Request], stop, detokenize,
+                  until_done: bool = False) -> None:
+    """Step `engine` until it has nothing left (until_done: until `requests` have finished),
+    cancelling after each step the requests whose text holds a stop string."""
+    while not (until_done and all(r.finish_reason is not None for r in requests)):
+        busy = engine.step()
+        for r in requests:
+            if (stop and r.finish_reason is None and not r.cancelled
+                    and stopped(r.tokens, stop, detokenize)):
+                engine.cancel(r)
+        if not busy:
+            return
 
 
 def _output(requests: list[Request], tokens, mask, n: int, eos_ids, cfg: SamplingConfig,

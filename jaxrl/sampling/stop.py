@@ -5,8 +5,9 @@ only visible in detokenized text. Afterwards each row is cut at the first token 
 contains a stop string; the completion keeps that token (the model did emit it, so its log-prob
 belongs to the trajectory) and the text keeps the stop string itself, ending right after it
 (rewards that parse a closing tag such as `</answer>` still see it). Rows that end on a stop
-string report finish reason "stop". The cost: a row decodes on until EOS or the length limit
-even after its stop string.
+string report finish reason "stop". Between decode chunks `stopped` says whether a row's text
+holds a stop string yet, so the sampler cancels it there and its slot is freed (its later
+tokens are never used).
 """
 from __future__ import annotations
 
@@ -17,6 +18,12 @@ def _first_stop_end(text: str, stop: Sequence[str]) -> int | None:
     """End index of the earliest stop string in text (None if there is none)."""
     ends = [(i, i + len(s)) for s in stop if (i := text.find(s)) >= 0]
     return min(ends)[1] if ends else None
+
+
+def stopped(ids: Sequence[int], stop: Sequence[str],
+            detokenize: Callable[[Sequence[int]], str]) -> bool:
+    """Whether the text of ids holds a stop string."""
+    return bool(stop) and _first_stop_end(detokenize(ids), stop) is not None
 
 
 def cut_at_stop(ids: Sequence[int], stop: Sequence[str],

@@ -214,3 +214,29 @@ def test_fewer_slots_than_rows_refill_and_decode_the_same(models):
         np.testing.assert_array_equal(narrow.tokens, wide.tokens)
         np.testing.assert_array_equal(narrow.mask, wide.mask)
         np.testing.assert_allclose(narrow.logprobs, wide.logprobs, atol=1e-5)
+
+
+def test_a_row_at_its_stop_string_frees_its_slot_at_the_next_chunk(models, monkeypatch):
+    """Rows cancelled at their stop string: the rollout ends after the chunk that holds every
+    row's stop string instead of decoding to max_new_tokens, with the same kept tokens."""
+    from jaxrl.sampling import sampler as sampler_module
+
+    _, spec, params = models["qwen3"]
+    detok = lambda ids: " ".join(f"t{i}" for i in ids)
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=64)
+    plain = sample(params, spec, PROMPTS[:1], jax.random.PRNGKey(0), cfg, detokenize=detok)
+    stop = f"t{plain.tokens[0, 3]} t{plain.tokens[0, 4]}"
+    engines = []
+
+    class Recorded(sampler_module.Engine):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            engines.append(self)
+
+    monkeypatch.setattr(sampler_module, "Engine", Recorded)
+    out = sample(params, spec, PROMPTS[:1], jax.random.PRNGKey(0),
+                 dataclasses.replace(cfg, stop=(stop,)), detokenize=detok)
+    kept = out.mask[0].sum()
+    np.testing.assert_array_equal(out.tokens[0, :kept], plain.tokens[0, :kept])
+    assert out.finish_reasons == ("stop",)
+    assert engines[0].stats.tokens == 16 and engines[0].stats.chunks == 1  # not 63 tokens
