@@ -362,6 +362,16 @@ class Checkpoints:
             write_peft_adapter, Path(self.cfg.run.output_dir) / ADAPTER, host, self.spec,
             adapter_base_name(self.cfg, self.base), self.cfg.lora.dropout))
 
+    def export_to(self, directory: Path, lora: Lora) -> None:
+        """Export `lora` as a PEFT adapter into `directory` now (process 0 writes; the best
+        evaluation's adapter, jaxrl/eval/during.py)."""
+        host = (jax.device_get(lora) if all(a.is_fully_addressable for a in
+                                            jax.tree_util.tree_leaves(lora))
+                else multihost_utils.process_allgather(lora, tiled=True))
+        if jax.process_index() == 0:
+            write_peft_adapter(Path(directory), host, self.spec,
+                               adapter_base_name(self.cfg, self.base), self.cfg.lora.dropout)
+
     def finish(self, step: int, state) -> None:
         """Export the final adapter (unless the last checkpoint did) and wait for all writes."""
         if self._exported != step:

@@ -242,9 +242,20 @@ class JudgeConfig(_Group):
     concurrency: int = _setting(8, ge=1)  # requests in flight per judge-based reward
     temperature: float = _setting(0.0, ge=0)
     max_tokens: int = _setting(2048, ge=1)
+    # json_object: a server judge is sent response_format {"type": "json_object"} (replies are
+    # JSON objects where it supports that, as jaxrl serve and vLLM do); a local judge ignores it
+    response_format: str = _setting("", choices=("", "json_object"))
     backoff_s: float = _setting(1.0, gt=0)  # first retry delay; doubles, with jitter
     max_backoff_s: float = _setting(30.0, gt=0)  # cap on one delay, Retry-After included
     cache: bool = True  # judge_cache.sqlite in run.output_dir
+
+
+@dataclass(frozen=True)
+class EvalConfig(_Group):
+    """Held-out evaluation inside `jaxrl train` and `jaxrl sft` (jaxrl/eval/during.py)."""
+    every: int = _setting(0, ge=0)  # steps between evaluations, and after the last (0: off)
+    records: int = _setting(0, ge=0)  # the first N evaluation records (0: all of them)
+    batch_size: int = _setting(16, ge=1)  # prompts per sampler call, as jaxrl eval's
 
 
 @dataclass(frozen=True)
@@ -255,6 +266,9 @@ class CheckpointConfig(_Group):
     # auto: from the latest complete checkpoint in run.output_dir, if any; never: start fresh
     # (refused when run.output_dir holds checkpoints); or a run directory or checkpoints/N
     resume: str = "auto"
+    # an eval/ metric (e.g. eval/accuracy): the adapter of the best evaluation so far is kept
+    # in adapter-best/ ("": none)
+    keep_best: str = ""
 
 
 @dataclass(frozen=True)
@@ -280,6 +294,7 @@ class Config:
     sft: SftConfig = field(default_factory=SftConfig)
     rewards: RewardsConfig = field(default_factory=RewardsConfig)
     judge: JudgeConfig = field(default_factory=JudgeConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
@@ -408,6 +423,11 @@ def _check_cross(cfg: Config) -> None:
     _check_grpo(cfg.grpo)
     _check_env(cfg)
     _check_judge(cfg.judge)
+    if cfg.checkpoint.keep_best and not (cfg.checkpoint.keep_best.startswith("eval/")
+                                         and cfg.eval.every):
+        raise ConfigError(f"config key 'checkpoint.keep_best' ({cfg.checkpoint.keep_best!r}) "
+                          "names an eval/ metric (e.g. eval/accuracy) of the evaluation that "
+                          "eval.every > 0 runs")
     if cfg.rewards.overlong_buffer > cfg.sampling.max_new_tokens:
         raise ConfigError(f"config key 'rewards.overlong_buffer' ({cfg.rewards.overlong_buffer}) "
                           "must be at most 'sampling.max_new_tokens' "

@@ -238,6 +238,17 @@ def _update(s: Session, rollout: Rollout, scored):
     return adv, jax.device_get(update), masked
 
 
+def _evaluator(s: Session, run_dir, log):
+    """The held-out evaluation of `eval.every` (jaxrl/eval/during.py), or None."""
+    if not s.cfg.eval.every:
+        return None
+    from jaxrl.eval.during import Evaluator, RunModel
+
+    model = RunModel(s.params, s.spec, s.tokenizer, s.eos_ids, lambda: s.state.lora, s.rules)
+    return Evaluator(s.cfg, model, run_dir,
+                     lambda target: s.checkpoints.export_to(target, s.state.lora), log)
+
+
 def train(cfg: Config, log: Callable[[str], None] = print) -> Path:
     """Runs GRPO as configured; returns the run directory (it holds the logs and report)."""
     runlog = RunLog(cfg)
@@ -245,6 +256,7 @@ def train(cfg: Config, log: Callable[[str], None] = print) -> Path:
     with Session(cfg, log) as s:
         trim_logs(runlog.dir, s.start_step, log)
         phases = _Phases()
+        evaluate = _evaluator(s, runlog.dir, log)
         try:
             last = time.perf_counter()
             for rollout, scored, ahead in s.pipelined(_rollouts(s, phases), _samples,
@@ -252,11 +264,16 @@ def train(cfg: Config, log: Callable[[str], None] = print) -> Path:
                 rollout, scored, extra = _step_batch(s, rollout, scored, phases)
                 with phases.timing("time/update"):
                     adv, update, masked = _update(s, rollout, scored)
+                evaluated = {}
+                if evaluate is not None and evaluate.due(rollout.step + 1):
+                    evaluated = evaluate(rollout.step + 1)  # its time is not the step's
                 now = time.perf_counter()
-                seconds = {**phases.lap(), "time/step": now - last}
+                seconds = {**phases.lap(),
+                           "time/step": now - last - evaluated.get("time/eval", 0.0)}
                 last = now
                 metrics = distributed.combine_metrics(_step_metrics(
                     s, rollout, scored, adv, update, seconds, {**extra, **masked}))
+                metrics.update(evaluated)
                 runlog.log_step(rollout.step + 1, metrics)  # process 0 writes the run log
                 every = cfg.logging.samples_every
                 if every and (rollout.step + 1) % every == 0:
