@@ -106,6 +106,13 @@ def _resume(checkpoints: Checkpoints, state, key: jax.Array, data):
     return restored.state, restored.key, restored.step, pending
 
 
+def _duration(seconds: float) -> str:
+    """seconds as h:mm:ss (m:ss under an hour)."""
+    m, s = divmod(int(round(seconds)), 60)
+    h, m = divmod(m, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
 def _progress_bar(cfg: Config, start_step: int):
     """(progress bar on a terminal, its task): steps done of run.steps."""
     progress = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(),
@@ -149,6 +156,7 @@ class Session:
             if hasattr(self.train_step, "reserve"):  # optim.remat auto: the engine stays
                 self.train_step.reserve(self.judge.resident_bytes())
         self._progress, self._task = _progress_bar(cfg, self.start_step)
+        self._times: list[float] = []
 
     def _local_judge(self):
         """The engine the rollouts share with a judge.local judge (entered: judges built now
@@ -199,8 +207,17 @@ class Session:
                          overlap)
 
     def progress(self, step: int, metrics: dict[str, Any]) -> None:
-        summary = (f"reward {metrics['reward/mean']:.3f}  len "
-                   f"{metrics['completion/length_mean']:.0f}  {metrics['time/step']:.1f} s/step")
+        """The progress line: reward, the share of groups with reward spread (the ones that
+        train), length, step time, the held-out accuracy when evaluated, and the ETA from the
+        mean step time so far."""
+        self._times.append(metrics["time/step"])
+        eta = (self.cfg.run.steps - step) * sum(self._times) / len(self._times)
+        useful = 1.0 - metrics.get("grpo/zero_spread_frac", 0.0)
+        held_out = (f"  eval {metrics['eval/accuracy']:.3f}" if "eval/accuracy" in metrics
+                    else "")
+        summary = (f"reward {metrics['reward/mean']:.3f}  useful groups {useful:.0%}  len "
+                   f"{metrics['completion/length_mean']:.0f}  {metrics['time/step']:.1f} s/step"
+                   f"{held_out}  ETA {_duration(eta)}")
         self._progress.update(self._task, completed=step, description=summary)
         if not sys.stderr.isatty():
             self.log(f"step {step}/{self.cfg.run.steps}  {summary}")

@@ -111,6 +111,22 @@ def _trainer(cfg: Config, log: Callable[[str], None]):
                     stream), state
 
 
+def _evaluator(cfg: Config, model, lora, run_dir, checkpoints, log):
+    """The held-out evaluation of `eval.every` (jaxrl/eval/during.py) on data.eval_file's
+    task records or the validation split of data.tasks (data.train_file holds SFT chats, not
+    task records), or None."""
+    if not cfg.eval.every:
+        return None
+    import dataclasses
+
+    from jaxrl.eval.during import Evaluator, RunModel
+
+    held_out = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, train_file=""))
+    return Evaluator(held_out, RunModel(model.params, model.spec, model.tokenizer, model.eos_ids,
+                                   lora),
+                     run_dir, lambda target: checkpoints.export_to(target, lora()), log)
+
+
 def sft(cfg: Config, log: Callable[[str], None] = print) -> Path:
     """Runs SFT as configured; returns the run directory."""
     if not cfg.data.train_file:
@@ -127,8 +143,14 @@ def sft(cfg: Config, log: Callable[[str], None] = print) -> Path:
         if restored is not None:
             state, key = restored.state, restored.key
         trim_logs(runlog.dir, start, log)
+        current = [state]  # the adapter the held-out evaluation decodes with
+        evaluate = _evaluator(cfg, trainer.model, lambda: current[0].lora, runlog.dir,
+                              checkpoints, log)
         for step in range(start, cfg.run.steps):
             state, row = trainer.step(state, step)
+            current[0] = state
+            if evaluate is not None and evaluate.due(step + 1):
+                row.update(evaluate(step + 1))  # after time/step was taken
             runlog.log_step(step + 1, row)
             checkpoints.after_step(step + 1, state, key, trainer.stream)
             log(f"step {step + 1}/{cfg.run.steps}  loss {row['loss/train']:.4f}  "

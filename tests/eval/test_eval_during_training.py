@@ -48,3 +48,22 @@ def test_eval_rows_equal_jaxrl_eval_of_the_exported_adapter(tiny_chat, tmp_path)
             (run / "eval" / "step_3_outputs.jsonl").read_text().splitlines()]
     assert [r["completion"] for r in variants["adapter"][:5]] == [r["completion"] for r in ours]
     assert doc["records"] >= 5
+
+
+def test_sft_evaluates_held_out_records_too(tiny_chat, tmp_path):
+    from jaxrl.cli import main
+
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": f"What is {a} + 1?"},
+        {"role": "assistant", "content": f"{a + 1}"}]}) + "\n" for a in range(6)))
+    out = tmp_path / "sft"
+    assert main(["sft", f"model.path={tiny_chat[0]}", f"data.train_file={data}",
+                 "data.tasks=arithmetic:20", "data.validation_fraction=0.2", "run.steps=2",
+                 f"run.output_dir={out}", "quant.mode=none", "sft.batch_size=2",
+                 "lora.rank=4", "lora.alpha=8", "sampling.max_new_tokens=4", "eval.every=2",
+                 "eval.records=3", "checkpoint.keep_best=eval/accuracy"]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert "eval/accuracy" in rows[1] and "eval/accuracy" not in rows[0]
+    assert rows[1]["eval/n"] == 3 and (out / "adapter-best" / "best.json").is_file()
+    assert (out / "eval" / "step_2.json").is_file() and (out / "report.png").is_file()
