@@ -48,6 +48,7 @@ setup(
         "pyyaml>=6.0",
         "rich>=13.0",
         "gguf>=0.19",
+        "llguidance>=1.9,<2",  # jaxrl serve: structured output (response_format, guided_*)
         "matplotlib>=3.7",
     ],
     extras_require={
@@ -59,7 +60,11 @@ setup(
             "hypothesis>=6.100",
             "bitsandbytes>=0.45",
             "tensorboard>=2.15",
+            "wandb>=0.19.10,<1",  # tests/run/test_trackers.py: logging.wandb, offline
+            # tests/serve/test_lm_eval.py: lm-evaluation-harness against `jaxrl serve`
+            "lm_eval[api]>=0.4.13,<0.5",
         ],
+        "wandb": ["wandb>=0.19.10,<1"],  # logging.wandb (reinit="create_new": 0.19.10)
         "tpu": [f"jax[tpu]=={JAX}", f"libtpu=={LIBTPU}"],
         "gpu": [f"jax[cuda12]=={JAX}"],
     },

@@ -276,6 +276,17 @@ class LoggingConfig(_Group):
     """What is logged besides metrics.jsonl."""
     samples_every: int = _setting(10, ge=0)  # 0 = off
     tensorboard: bool = False
+    # trackers, through their own libraries (jaxrl/trackers.py; pip install -e '.[wandb]')
+    wandb: bool = False  # Weights & Biases: metrics, sample tables, report.png, the config
+    wandb_project: str = "jaxrl"
+    wandb_entity: str = ""  # "" = the account's default entity
+    wandb_name: str = ""  # the run's display name; "" = the run directory's name
+    wandb_tags: _STRS = ()
+    # "" = the library's default (WANDB_MODE when set, else online); offline: sync later
+    wandb_mode: str = _setting("", choices=("", "online", "offline", "disabled"))
+    # true: a tracker that cannot start (library missing, unreachable) stops the run at start;
+    # false: one warning and the run goes on without it
+    tracker_required: bool = True
 
 
 @dataclass(frozen=True)

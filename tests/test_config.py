@@ -162,7 +162,7 @@ def test_unknown_key_in_yaml_names_file(tmp_path):
 
 
 def test_unknown_group():
-    with _raises("unknown config group 'grpp'; valid groups: checkpoint, data, env, grpo, judge, "
+    with _raises("unknown config group 'grpp'; valid groups: checkpoint, data, env, eval, grpo, judge, "
                  "logging, lora, mesh, model, optim, quant, rewards, run, sampling, sft; "
                  "did you mean 'grpo'?") as err:
         from_dict({"grpp": {"beta": 0.1}})

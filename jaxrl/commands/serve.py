@@ -11,16 +11,22 @@ import sys
 from jaxrl.config import DTYPES, QUANT_MODES, UsageError
 
 _DESCRIPTION = """\
-Serve /v1/models, /v1/chat/completions and /v1/completions as the OpenAI API defines them,
-plus GET /health and GET /metrics (Prometheus). Requests join the decoding batch as slots
-free up (continuous batching). Supported: stream (server-sent events; include_usage in
-stream_options), n, seed, max_tokens, stop, temperature, top_p, top_k, min_p,
-repetition_penalty, presence_penalty, frequency_penalty, logit_bias, logprobs and
-top_logprobs (up to 20), and tools / tool_choice (auto, none, required, a named function) for
-chat templates with Qwen's <tool_call> or Llama 3.1's JSON tool calling. Unknown request fields
-are ignored with one warning per name. Each --lora adapter is served under its own model id
-beside the base; requests for every model decode together in one batch, each row with its own
-model's adapter. Binds to 127.0.0.1 unless --host says otherwise. Ctrl-C or SIGTERM stops
+Serve /v1/models, /v1/chat/completions and /v1/completions as the OpenAI API defines them, plus
+GET /health and GET /metrics (Prometheus). Requests join the decoding batch as slots free up
+(continuous batching). Supported: stream (server-sent events; include_usage in stream_options),
+n, seed, max_tokens, stop, temperature, top_p, top_k, min_p, repetition_penalty,
+presence_penalty, frequency_penalty, logit_bias, logprobs and top_logprobs (up to 20), echo on
+completions (the prompt first, with logprobs its tokens' log-probs by a teacher-forced forward;
+max_tokens 0 with echo: the prompt alone, as lm-evaluation-harness's log-likelihood tasks ask),
+and tools / tool_choice (auto, none, required, a named function) for chat templates with Qwen's
+<tool_call> or Llama 3.1's JSON tool calling, and structured output: response_format
+(json_object, json_schema) and vLLM's guided_json, guided_regex, guided_choice and
+guided_grammar (llguidance token masks; one token a step while constrained). Unknown request
+fields are ignored with one warning per name. Each --lora adapter is served under its own model
+id beside the base; requests for every model decode together in one batch, each row with its own
+model's adapter. /metrics gauges follow every admission and completion; /health and /metrics are
+not counted as requests; a client that leaves before its reply is done is logged and counted
+with status 499. Binds to 127.0.0.1 unless --host says otherwise. Ctrl-C or SIGTERM stops
 accepting requests, lets in-flight ones finish and exits 0; a second Ctrl-C exits at once."""
 
 
@@ -50,7 +56,8 @@ def register(sub) -> None:
     serve.add_argument("--chunk", type=int, metavar="N", default=8,
                        help="decode steps between admissions of waiting requests (default 8)")
     serve.add_argument("--max-queue", type=int, metavar="N", default=256,
-                       help="requests that may wait for a slot before 503 (default 256)")
+                       help="requests that may wait while every slot is taken before 503 "
+                       "(default 256); requests that free slots take at once never count")
     serve.add_argument("--default-max-tokens", type=int, metavar="N", default=512,
                        help="chat completions without max_tokens (default 512)")
     serve.add_argument("--body-timeout", type=float, default=30.0, metavar="SECONDS",

@@ -4,10 +4,12 @@ or (judge.local) decoded in the training process's own engine (jaxrl/rewards/loc
 `Judge.ask(messages)` returns the reply's text or raises `JudgeFailure(kind)`; the judge-based
 rewards turn a failure into their default score (0) and count it. Requests use temperature
 `judge.temperature` (0), `judge.max_tokens` and a per-request timeout; at most
-`judge.concurrency` are in flight. Timeouts, connection errors, 408/409/429 and 5xx are retried
-up to `judge.max_retries` times after exponential backoff with jitter (`judge.backoff_s`
-doubling, capped at `judge.max_backoff_s`), waiting at least as long as a Retry-After header
-asks (within the same cap). Other 4xx and unreadable responses fail at once.
+`judge.concurrency` are in flight; with `judge.response_format: json_object` a server judge is
+asked for a JSON object (response_format, part of the cached request). Timeouts, connection
+errors, 408/409/429 and 5xx are retried up to `judge.max_retries` times after exponential
+backoff with jitter (`judge.backoff_s` doubling, capped at `judge.max_backoff_s`), waiting at
+least as long as a Retry-After header asks (within the same cap). Other 4xx and unreadable
+responses fail at once.
 
 Replies are cached in SQLite (`judge_cache.sqlite` in the run directory), keyed by model and a
 hash of the request, so a resumed run never asks twice; identical requests in flight share one
@@ -162,6 +164,8 @@ class Judge:
         self._bind()
         body = {"messages": messages, "temperature": self.cfg.temperature,
                 "max_tokens": self.cfg.max_tokens}
+        if self.cfg.response_format and self._local is None:  # a local judge decodes freely
+            body["response_format"] = {"type": self.cfg.response_format}
         key = request_hash(body)
         if self._cache is not None and (text := self._cache.get(self.cfg.model, key)) is not None:
             return JudgeReply(text, True, 0)

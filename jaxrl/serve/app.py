@@ -5,10 +5,18 @@ A request's body is read with a deadline (408 when it does not arrive in time) a
 limit (413), then parsed, rendered and tokenized on a worker thread (prepare.py); its jobs go
 to the engine thread (scheduler.py) and the handler awaits their tokens (generation.py),
 answering with one JSON body or, with `stream: true`, server-sent events in OpenAI's chunk
-format ending in `data: [DONE]`. Every error reply has OpenAI's shape {"error": {message,
-type, param, code}}: 400 malformed request, 401 wrong or missing key (the `Bearer` scheme in
-any case), 404 unknown path or model, 405 wrong method, 408 body too slow, 413 body too large,
-503 overloaded or shutting down, 500 anything unexpected (logged with its traceback).
+format ending in `data: [DONE]`. With `echo` (completions), each choice's text starts with its
+prompt; with `logprobs` too, the prompt tokens' log-probs come first, from a teacher-forced
+forward of the request's model that the engine thread runs between steps (scoring.py).
+
+A client that disconnects before its reply is done is noticed (a stream by Starlette, a
+whole reply by a watcher on the connection while it is generated): its waiting jobs are
+dropped and the access log and /metrics count it with status 499.
+
+Every error reply has OpenAI's shape {"error": {message, type, param, code}}: 400 malformed
+request, 401 wrong or missing key (the `Bearer` scheme in any case), 404 unknown path or
+model, 405 wrong method, 408 body too slow, 413 body too large, 503 overloaded or shutting
+down, 500 anything unexpected (logged with its traceback).
 """
 from __future__ import annotations
 
@@ -29,10 +37,11 @@ from starlette.routing import Route
 
 from jaxrl.serve import protocol as p
 from jaxrl.serve.generation import Generation
-from jaxrl.serve.observe import AccessLog, Metrics
-from jaxrl.serve.prepare import Prepared, Preparer
-from jaxrl.serve.responses import Choice, Piece, Reply, model_card, models_response
-from jaxrl.serve.scheduler import Closed, Job, Overloaded, Scheduler
+from jaxrl.serve.observe import ABORTED, AccessLog, Metrics
+from jaxrl.serve.prepare import Echo, Prepared, Preparer
+from jaxrl.serve.responses import (Choice, Piece, Reply, TokenLogprob, model_card,
+                                   models_response)
+from jaxrl.serve.scheduler import Closed, Job, Overloaded, Scheduler, Score
 from jaxrl.serve.textstream import TextStream
 
 log = logging.getLogger("jaxrl.serve")
@@ -156,42 +165,110 @@ class Api:
         job = await asyncio.get_running_loop().run_in_executor(self._pool, prepare, raw)
         request.state.model = job.model
         request.state.prompt_tokens = sum(map(len, job.prompts))
-        gen, jobs = self._start(job)
-        finish = functools.partial(self._finished, request, job, gen, jobs, arrived)
+        scores, scored = self._score(job)
+        try:
+            gen, jobs = self._start(job)
+        except BaseException:
+            self.scheduler.cancel(scores)
+            raise
+        finish = functools.partial(self._finished, request, job, gen, jobs + scores, arrived)
         if job.settings.stream:
-            return StreamingResponse(self._stream(job, gen, finish),
+            return StreamingResponse(self._stream(job, gen, scored, finish),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache",
                                               "X-Accel-Buffering": "no"})
         try:
-            choices = [Choice(i) for i in range(len(gen.streams))]
-            async for piece in gen.pieces():
-                choices[piece.index].add(piece)
+            choices = await _unless_disconnected(request, self._choices(job, gen, scored))
         except Exception as error:  # noqa: BLE001 -- an engine failure or shutdown
             raise _generation_error(error) from None
         finally:
             finish()
+        if choices is None:  # nobody is left to read the reply
+            return Response(status_code=ABORTED)
         reply = Reply(job.kind, job.model)
         return JSONResponse(reply.response(choices, request.state.prompt_tokens,
                                            gen.completion_tokens,
                                            job.settings.logprobs is not None))
 
     def _start(self, job: Prepared) -> tuple[Generation, list[Job]]:
+        """The request's generation and its engine jobs (none for max_tokens 0: echo alone)."""
         s = job.settings
-        streams = [TextStream(self._decode, s.stop, job.syntax, job.prefix)
-                   for _ in job.prompts for _ in range(s.n)]
+        streams = [TextStream(self._decode, s.stop, job.syntax, job.prefix,
+                              offset=len(job.echo[i].text) if job.echo else 0)
+                   for i in range(len(job.prompts)) for _ in range(s.n)]
         gen = Generation(streams, self.token_text, s.logprobs, job.tools, job.syntax)
         jobs = [Job(ids, s.decoding, job.max_tokens[i], job.keys[i * s.n + j],
-                    gen.sink(i * s.n + j))
+                    gen.sink(i * s.n + j), constraint=job.constraint(i * s.n + j))
                 for i, ids in enumerate(job.prompts) for j in range(s.n)]
-        try:
-            self.scheduler.submit(job.model, jobs)
-        except Overloaded as error:
-            raise p.ApiError(503, f"the server is overloaded: {error}; retry later",
-                             kind="server_error", code="overloaded") from None
-        except Closed as error:
-            raise p.ApiError(503, str(error), kind="server_error", code="shutting_down") from None
+        for empty in [j for j in jobs if j.max_tokens == 0]:
+            empty.sink.done("length")
+        jobs = [j for j in jobs if j.max_tokens > 0]
+        if jobs:
+            with _admission():
+                self.scheduler.submit(job.model, jobs)
         return gen, jobs
+
+    def _score(self, job: Prepared) -> tuple[list[Score], list[asyncio.Future]]:
+        """With echo and logprobs: each prompt's log-probs, computed on the engine thread
+        (the jobs, to cancel, and the futures of their results)."""
+        if not (job.settings.echo and job.settings.logprobs is not None):
+            return [], []
+        loop = asyncio.get_running_loop()
+        scores, futures = [], []
+
+        def settle(future: asyncio.Future, method: str, value) -> None:
+            def settled() -> None:
+                if not future.done():
+                    getattr(future, method)(value)
+            try:
+                loop.call_soon_threadsafe(settled)
+            except RuntimeError:  # the event loop has closed: nobody waits for this reply
+                pass
+
+        for ids in job.prompts:
+            future = loop.create_future()
+            scores.append(Score(ids, functools.partial(settle, future, "set_result"),
+                                functools.partial(settle, future, "set_exception")))
+            futures.append(future)
+        try:
+            with _admission():
+                for score in scores:
+                    self.scheduler.score(job.model, score)
+        except BaseException:
+            self.scheduler.cancel(scores)
+            raise
+        return scores, futures
+
+    async def _echoes(self, job: Prepared, scored: list[asyncio.Future]) -> list[Piece]:
+        """Per choice, what echo puts before its completion: the prompt's text and, with
+        logprobs, the prompt tokens' log-probs (the first token's null)."""
+        s = job.settings
+        prompts = []
+        for i, echo in enumerate(job.echo):
+            entries = [] if not scored else self._prompt_logprobs(echo, await scored[i],
+                                                                  s.logprobs)
+            prompts.append((echo.text, entries))
+        return [Piece(i * s.n + j, text, list(entries))
+                for i, (text, entries) in enumerate(prompts) for j in range(s.n)]
+
+    def _prompt_logprobs(self, echo: Echo, scored, k: int) -> list[TokenLogprob]:
+        entries = [TokenLogprob(echo.tokens[0], None, (), echo.offsets[0])]
+        for t in range(1, len(echo.tokens)):
+            top = tuple((self.token_text(int(i)), float(lp)) for i, lp in
+                        zip(scored.top_ids[t - 1, :k], scored.top_logprobs[t - 1, :k]))
+            entries.append(TokenLogprob(echo.tokens[t], float(scored.logprobs[t - 1]), top,
+                                        echo.offsets[t]))
+        return entries
+
+    async def _choices(self, job: Prepared, gen: Generation,
+                       scored: list[asyncio.Future]) -> list[Choice]:
+        choices = [Choice(i) for i in range(len(gen.streams))]
+        if job.echo:
+            for piece in await self._echoes(job, scored):
+                choices[piece.index].add(piece)
+        async for piece in gen.pieces():
+            choices[piece.index].add(piece)
+        return choices
 
     def _finished(self, request: Request, job: Prepared, gen: Generation, jobs: list[Job],
                   arrived: float) -> None:
@@ -199,7 +276,7 @@ class Api:
         request.state.completion_tokens = gen.completion_tokens
         self.metrics.generation(job.model, arrived, request.state.prompt_tokens, gen)
 
-    async def _stream(self, job: Prepared, gen: Generation,
+    async def _stream(self, job: Prepared, gen: Generation, scored: list[asyncio.Future],
                       finish: Callable[[], None]) -> AsyncIterator[str]:
         reply, s = Reply(job.kind, job.model), job.settings
         logprobs = s.logprobs is not None
@@ -207,6 +284,9 @@ class Api:
             if job.kind == "chat":
                 for i in range(len(gen.streams)):
                     yield _sse(reply.first_chunk(i))
+            if job.echo:
+                for piece in await self._echoes(job, scored):
+                    yield _sse(reply.chunk(piece, logprobs))
             async for piece in gen.pieces():
                 for part in _split(piece):
                     yield _sse(reply.chunk(part, logprobs))
@@ -217,6 +297,42 @@ class Api:
             yield _sse(_generation_error(error).body())
         finally:
             finish()
+
+
+class _admission:
+    """Overloaded and Closed from the scheduler as 503 replies."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, tb):
+        if isinstance(error, Overloaded):
+            raise p.ApiError(503, f"the server is overloaded: {error}; retry later",
+                             kind="server_error", code="overloaded") from None
+        if isinstance(error, Closed):
+            raise p.ApiError(503, str(error), kind="server_error", code="shutting_down") from None
+        return False
+
+
+async def _unless_disconnected(request: Request, work):
+    """The result of the coroutine `work`, or None when the client disconnects first (then
+    `work` is cancelled)."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if not task.done() or task.cancelled():
+        return None
+    return task.result()
 
 
 def _split(piece: Piece) -> list[Piece]:

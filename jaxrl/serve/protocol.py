@@ -3,9 +3,12 @@
 A known field of the wrong type or out of range is a 400 naming the field (`param`) and what
 is allowed. A field this server does not know (vendor extensions, newer API fields) is ignored
 with one warning per field name, as vLLM does (`UnknownFields`). Fields that only have a
-neutral value here are accepted at that value alone: echo false, suffix "", best_of = n,
-response_format {"type": "text"}. Nothing here touches the model: the app (app.py) turns the
-parsed request into prompts and engine jobs.
+neutral value here are accepted at that value alone: suffix "", best_of = n. Structured
+output (response_format, guided_*) is read by structured.py. Completions take `echo` (the
+prompt first in each choice's text, and with `logprobs` its tokens' log-probs first), and
+with echo max_tokens 0 (the prompt alone: how evaluation harnesses score a text's
+log-likelihood). Nothing here touches the model: the app (app.py) turns the parsed request
+into prompts and engine jobs.
 """
 from __future__ import annotations
 
@@ -24,14 +27,15 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 _COMMON = frozenset({"model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "user",
                      "stream", "stream_options", "presence_penalty", "frequency_penalty",
-                     "logit_bias", "top_k", "min_p", "repetition_penalty"})
+                     "logit_bias", "top_k", "min_p", "repetition_penalty",
+                     # structured output (jaxrl/serve/structured.py)
+                     "response_format", "guided_json", "guided_regex", "guided_choice",
+                     "guided_grammar"})
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
                          "response_format", "tools", "tool_choice", "parallel_tool_calls",
                          "store", "metadata"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"}
-_NEUTRAL = (("echo", (False,), "echo is not supported; send echo=false"),
-            ("suffix", ("",), "suffix (insertion) is not supported"),
-            ("response_format", ({"type": "text"},), 'only {"type": "text"} is supported'))
+_NEUTRAL = (("suffix", ("",), "suffix (insertion) is not supported"),)
 
 log = logging.getLogger("jaxrl.serve")
 
@@ -83,6 +87,7 @@ class Settings:
     logprobs: int | None  # None: no log-probs; k: the chosen token's and k alternatives
     stream: bool
     include_usage: bool
+    echo: bool = False  # completions: the prompt (and its log-probs) before the completion
 
 
 def _number(body: Mapping, name: str, default: float, low: float, high: float,
@@ -174,14 +179,20 @@ def check_fields(body: Any, known: frozenset[str], required: tuple[str, ...],
             raise bad(name, f"{why}; got {value!r:.100}")
 
 
-def settings(body: Mapping, vocab_size: int, logprobs: int | None) -> Settings:
-    """The sampling settings of a checked body; `logprobs` as the endpoint reads it."""
+def settings(body: Mapping, vocab_size: int, logprobs: int | None,
+             echo: bool = False) -> Settings:
+    """The sampling settings of a checked body; `logprobs` and `echo` as the endpoint reads
+    them (max_tokens may be 0 only with echo: the prompt alone)."""
     n = _integer(body, "n", 1, MAX_N) or 1
     best_of = _integer(body, "best_of", 1)
     if best_of is not None and best_of != n:
         raise bad("best_of", f"must equal n ({n}): every sampled completion is returned")
     max_tokens = _integer(body, "max_completion_tokens", 1)
-    max_tokens = _integer(body, "max_tokens", 1) if max_tokens is None else max_tokens
+    if max_tokens is None:
+        max_tokens = _integer(body, "max_tokens", 0)
+        if max_tokens == 0 and not echo:
+            raise bad("max_tokens", "must be >= 1 (0, the prompt alone, only with echo=true on "
+                      "/v1/completions); got 0")
     stream = _flag(body, "stream")
     options = body.get("stream_options")
     if options is not None and (not stream or not isinstance(options, dict)):
@@ -198,7 +209,8 @@ def settings(body: Mapping, vocab_size: int, logprobs: int | None) -> Settings:
         top_logprobs=logprobs or 0, logit_bias=_logit_bias(body, vocab_size))
     return Settings(n=n, max_tokens=max_tokens, decoding=decoding, stop=_stop(body),
                     seed=_integer(body, "seed", -(2 ** 63), 2 ** 63 - 1), logprobs=logprobs,
-                    stream=stream, include_usage=_flag(options or {}, "include_usage"))
+                    stream=stream, include_usage=_flag(options or {}, "include_usage"),
+                    echo=echo)
 
 
 def chat_logprobs(body: Mapping) -> int | None:
@@ -209,6 +221,10 @@ def chat_logprobs(body: Mapping) -> int | None:
             raise bad("top_logprobs", "needs logprobs=true")
         return None
     return top or 0
+
+
+def completion_echo(body: Mapping) -> bool:
+    return _flag(body, "echo")
 
 
 def completion_logprobs(body: Mapping) -> int | None:

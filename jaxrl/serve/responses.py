@@ -11,10 +11,11 @@ from jaxrl.hf.tool_calls import ToolCall
 
 @dataclasses.dataclass(frozen=True)
 class TokenLogprob:
-    """One completion token: its text, log-prob and the most likely alternatives."""
+    """One completion token: its text, log-prob and the most likely alternatives (an echoed
+    prompt's first token has neither: logprob None)."""
 
     token: str
-    logprob: float
+    logprob: float | None
     top: tuple[tuple[str, float], ...]
     offset: int  # where its text starts in the completion
 
@@ -65,10 +66,12 @@ def chat_logprobs(entries: Sequence[TokenLogprob]) -> dict:
 
 
 def completion_logprobs(entries: Sequence[TokenLogprob]) -> dict:
-    """The legacy shape; with no alternatives asked, top_logprobs holds the chosen token."""
+    """The legacy shape; with no alternatives asked, top_logprobs holds the chosen token; an
+    echoed prompt's first token has null for both."""
     return {"tokens": [e.token for e in entries],
             "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [dict(e.top) if e.top else {e.token: e.logprob} for e in entries],
+            "top_logprobs": [None if e.logprob is None else dict(e.top) if e.top
+                             else {e.token: e.logprob} for e in entries],
             "text_offset": [e.offset for e in entries]}
 
 

@@ -12,10 +12,18 @@ carries its model's index in it (0: the base alone). Waiting requests of any mod
 admitted first come, first served into free slots; rows of different models decode side by
 side in one step, and nothing recompiles for a new mix.
 
+Prompt log-probs (`echo` with `logprobs` on /v1/completions) are `Score` jobs: the thread
+runs one teacher-forced forward of the request's model (`scorer`, jaxrl/serve/scoring.py)
+between engine steps, so the device is only ever driven from this thread.
+
 A job still waiting can be cancelled (its client went away); a job in the engine decodes to
 its end, as the engine has no way to free a slot early. A failing engine step fails the jobs
-it held and the engine is built anew; waiting jobs are kept. More than `max_queue` waiting
-requests are refused with `Overloaded`; after `close`, new ones with `Closed`.
+it held and the engine is built anew; waiting jobs are kept. Admission control: a request is
+refused with `Overloaded` when more than `max_queue` requests would be left waiting after the
+next admission (requests that the free slots take at once never count as queued; so do at
+most `max_queue` pending score jobs); after `close`, new ones with `Closed`. `on_change`
+gets the counts whenever they change: on submit, cancel, admission, completion and after
+each engine step (the gauges of /metrics).
 """
 from __future__ import annotations
 
@@ -24,7 +32,7 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -64,6 +72,17 @@ class Job:
     max_tokens: int
     key: np.ndarray  # [2] uint32
     sink: Sink
+    constraint: Any = None  # structured output's grammar (jaxrl/serve/structured.py)
+
+
+@dataclasses.dataclass(eq=False)
+class Score:
+    """The prompt log-probs of one prompt under a served model; `done(PromptLogprobs)` or
+    `fail(error)` is called on the engine thread."""
+
+    prompt: Sequence[int]
+    done: Callable[[object], None]
+    fail: Callable[[Exception], None]
 
 
 @dataclasses.dataclass
@@ -74,6 +93,8 @@ class Counts:
     waiting: int = 0  # jobs waiting for a slot
     running: int = 0  # jobs in the engine
     utilization: float = 0.0  # share of slot-steps that emitted a token in the last chunk
+    # (0 while no job is in the engine)
+    scoring: int = 0  # prompt log-prob jobs waiting for the engine thread
     # since the start, over engine rebuilds: the decode steps in which the model's rows
     # emitted, the tokens they emitted, and the steps whose rows used more than one adapter
     model_steps: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -102,12 +123,14 @@ def engine_lora(models: Mapping[str, Lora | None]) -> tuple[Lora | AdapterSet | 
 
 class Scheduler:
     """Runs `make_engine()`'s engine on its own thread for the models in `adapters` (served
-    model id -> LoRA or None for the base), admitting jobs continuously (module docstring)."""
+    model id -> LoRA or None for the base), admitting jobs continuously (module docstring).
+    scorer(prompt, lora): the prompt log-probs of `score` jobs (None: no scoring)."""
 
     def __init__(self, make_engine: Callable[[], Engine], adapters: Mapping[str, Lora | None],
-                 max_queue: int, on_step: Callable[[Counts, Engine], None] | None = None):
+                 max_queue: int, on_change: Callable[[Counts], None] | None = None,
+                 scorer: Callable[[Sequence[int], Lora | None], object] | None = None):
         self._make_engine, self._adapters = make_engine, dict(adapters)
-        self.max_queue, self._on_step = max_queue, on_step
+        self.max_queue, self._on_change, self._scorer = max_queue, on_change, scorer
         self._lora, self._index = engine_lora(self._adapters)
         names: dict[int, list[str]] = {}
         for model, i in self._index.items():
@@ -117,6 +140,7 @@ class Scheduler:
         self._cond = threading.Condition()
         self._waiting: deque[tuple[int, list[Job]]] = deque()  # (adapter index, jobs)
         self._running: dict[int, Job] = {}  # id(request) -> job
+        self._scores: deque[tuple[str, Score]] = deque()  # (model, job)
         self._closed = False
         self.counts = Counts(model_steps=dict.fromkeys(self._labels.values(), 0),
                              model_tokens=dict.fromkeys(self._labels.values(), 0))
@@ -134,29 +158,66 @@ class Scheduler:
         return engine
 
     def submit(self, model: str, jobs: list[Job]) -> None:
-        """Queue one request's jobs for `model`; Overloaded when max_queue requests wait."""
+        """Queue one request's jobs for `model`; Overloaded when more than max_queue requests
+        would be left waiting after the next admission (module docstring)."""
         index = self._index[model]
         with self._cond:
             if self._closed:
                 raise Closed("the server is shutting down")
-            if len(self._waiting) >= self.max_queue:
-                raise Overloaded(f"{len(self._waiting)} requests are already waiting (the "
-                                 "limit)")
+            queued = self._queued([len(req) for _, req in self._waiting] + [len(jobs)])
+            if queued > self.max_queue:
+                raise Overloaded(f"every slot is taken and {queued - 1} requests already wait "
+                                 f"for one (--max-queue {self.max_queue})")
             self._waiting.append((index, list(jobs)))
-            self._count()
+            self._changed()
             self._cond.notify()
 
-    def cancel(self, jobs: Sequence[Job]) -> None:
+    def _queued(self, sizes: Sequence[int]) -> int:
+        """How many of the waiting requests (their job counts, in order) the next admission
+        leaves waiting (the rule of `_feed`)."""
+        running = len(self._running)
+        for i, n in enumerate(sizes):
+            if running and running + n > self.engine.slots:
+                return len(sizes) - i
+            running += n
+        return 0
+
+    def score(self, model: str, job: Score) -> None:
+        """Queue the prompt log-probs of `job.prompt` under `model` (module docstring)."""
+        if self._scorer is None:
+            raise RuntimeError("this scheduler has no scorer")
+        self._index[model]  # a served model
+        with self._cond:
+            if self._closed:
+                raise Closed("the server is shutting down")
+            if len(self._scores) >= self.max_queue:
+                raise Overloaded(f"{len(self._scores)} prompt log-prob jobs already wait "
+                                 f"(--max-queue {self.max_queue})")
+            self._scores.append((model, job))
+            self._changed()
+            self._cond.notify()
+
+    def cancel(self, jobs: Sequence[Job | Score]) -> None:
         """Drop those of `jobs` that still wait (their client is gone)."""
         drop = {id(j) for j in jobs}
         with self._cond:
             kept = [(i, [j for j in req if id(j) not in drop]) for i, req in self._waiting]
             self._waiting = deque((i, req) for i, req in kept if req)
-            self._count()
+            self._scores = deque((m, j) for m, j in self._scores if id(j) not in drop)
+            self._changed()
 
     def _count(self) -> None:
         self.counts.waiting = sum(len(req) for _, req in self._waiting)
         self.counts.running = len(self._running)
+        self.counts.scoring = len(self._scores)
+        if not self._running:
+            self.counts.utilization = 0.0
+
+    def _changed(self) -> None:
+        """Recount and tell `on_change` (under the lock, so the gauges see changes in order)."""
+        self._count()
+        if self._on_change is not None:
+            self._on_change(self.counts)
 
     def _feed(self) -> None:
         """Move waiting jobs of any model into the engine, first come first served, while it
@@ -174,7 +235,7 @@ class Scheduler:
             job.sink.token(t, logprob, request.top_logprobs[-1] if request.top_logprobs else ())
 
         request = Request(list(job.prompt), job.decoding, job.max_tokens, job.key,
-                          adapter=adapter)
+                          adapter=adapter, constraint=job.constraint)
         request.on_token = lambda t, lp: token(t, lp, request)
         request.on_done = self._finished
         self._running[id(request)] = job
@@ -183,19 +244,34 @@ class Scheduler:
     def _finished(self, request: Request) -> None:
         with self._cond:
             job = self._running.pop(id(request))
+            self._changed()
         job.sink.done(request.finish_reason)
 
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._closed and not self._running and not self._waiting:
-                    self._count()
+                while (not self._closed and not self._running and not self._waiting
+                       and not self._scores):
+                    self._changed()
                     self._cond.wait()
                 if self._closed:
                     return
+                score = self._scores.popleft() if self._scores else None
                 self._feed()
-                self._count()
-            self._step()
+                self._changed()
+            if score is not None:
+                self._score(*score)
+            if self._running:
+                self._step()
+
+    def _score(self, model: str, job: Score) -> None:
+        try:
+            result = self._scorer(job.prompt, self._adapters[model])
+        except Exception as error:  # noqa: BLE001 -- the request gets it; the server lives on
+            log.exception("scoring a prompt of %d tokens failed", len(job.prompt))
+            job.fail(error)
+            return
+        job.done(result)
 
     def _step(self) -> None:
         engine = self.engine
@@ -209,15 +285,16 @@ class Scheduler:
                           len(self._running))
             with self._cond:
                 failed, self._running = list(self._running.values()), {}
+                self._changed()
             for job in failed:
                 job.sink.fail(error)
             self.engine = self._new_engine()
             return
         stats = engine.stats
         steps = stats.steps - before[0]
-        if steps:
-            self.counts.utilization = (stats.tokens - before[1]) / (steps * engine.slots)
         with self._cond:
+            if steps:
+                self.counts.utilization = (stats.tokens - before[1]) / (steps * engine.slots)
             # deltas of this step: a rebuilt engine's stats restart from 0
             for count, now, then in ((self.counts.model_steps, stats.adapter_steps, before[2]),
                                      (self.counts.model_tokens, stats.adapter_tokens,
@@ -226,9 +303,7 @@ class Scheduler:
                     label = self._labels.get(index, str(index))
                     count[label] = count.get(label, 0) + n - then.get(index, 0)
             self.counts.mixed_steps += stats.mixed_steps - before[4]
-            self._count()
-        if self._on_step is not None:
-            self._on_step(self.counts, engine)
+            self._changed()
 
     def close(self) -> None:
         """Stop after the current step; waiting and running jobs fail with Closed."""
@@ -236,8 +311,12 @@ class Scheduler:
             self._closed = True
             waiting = [j for _, req in self._waiting for j in req]
             running = list(self._running.values())
-            self._waiting = deque()
+            scores = [j for _, j in self._scores]
+            self._waiting, self._scores = deque(), deque()
             self._cond.notify_all()
         self._thread.join()
+        closed = Closed("the server shut down before this request finished")
         for job in waiting + running:
-            job.sink.fail(Closed("the server shut down before this request finished"))
+            job.sink.fail(closed)
+        for score in scores:
+            score.fail(closed)

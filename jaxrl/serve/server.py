@@ -19,6 +19,7 @@ from collections.abc import Mapping
 
 import uvicorn
 
+from jaxrl.backends.numerics import numerics_of
 from jaxrl.hf.pretrained import Pretrained
 from jaxrl.lora.lora import Lora
 from jaxrl.sampling.engine import Engine
@@ -26,6 +27,7 @@ from jaxrl.serve.app import Api, build_app
 from jaxrl.serve.observe import Metrics
 from jaxrl.serve.prepare import Preparer
 from jaxrl.serve.scheduler import Counts, Scheduler
+from jaxrl.serve.scoring import PromptScorer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +36,7 @@ class ServeOptions:
     slots: int = 16  # decode slots: completions decoded together
     max_model_len: int = 2048  # cache columns per slot: prompt + completion, within the model's
     chunk: int = 8  # decode steps between admissions of waiting requests
-    max_queue: int = 256  # requests waiting for a slot before 503
+    max_queue: int = 256  # requests left waiting for a slot (none free) before 503
     default_max_tokens: int = 512  # chat completions without max_tokens (within the context)
     api_key: str = dataclasses.field(default="", repr=False)  # "": no key required
     seed: int = 0  # of the keys unseeded sampled requests draw from
@@ -115,9 +117,10 @@ def start_server(model: Pretrained, host: str = "127.0.0.1", port: int = 8000, *
     scheduler = Scheduler(
         lambda: Engine(model.params, model.spec, eos_ids=model.eos_ids, slots=opts.slots,
                        capacity=context, chunk=opts.chunk),
-        models, opts.max_queue, on_step=lambda counts, _: metrics.engine(counts))
+        models, opts.max_queue, on_change=metrics.engine,
+        scorer=PromptScorer(model.params, model.spec, numerics_of(None)))
     preparer = Preparer(model.tokenizer, list(models), model.spec.vocab_size, context,
-                        opts.default_max_tokens, opts.seed)
+                        opts.default_max_tokens, opts.seed, eos_ids=model.eos_ids)
     api = Api(scheduler, preparer, copy.deepcopy(model.tokenizer), metrics, opts.api_key,
               opts.body_timeout_s, opts.workers)
     config = uvicorn.Config(build_app(api, metrics), log_config=None, access_log=False,

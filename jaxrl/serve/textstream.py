@@ -24,8 +24,9 @@ class TextStream:
     """Token ids in (`push`), text deltas out; `finish` releases what was held back."""
 
     def __init__(self, decode: Callable[[Sequence[int]], str], stop: Sequence[str] = (),
-                 tools: ToolSyntax | None = None, prefix: str = ""):
+                 tools: ToolSyntax | None = None, prefix: str = "", offset: int = 0):
         self._decode, self._stop, self._tools = decode, tuple(stop), tools
+        self._offset = offset  # added to `offsets` (the reply's text before this one's)
         self._ids: list[int] = []
         self._window = self._read = 0  # ids[window:read] is the context of the next decode
         self.text = prefix  # everything decoded so far (a forced tool-call opening first)
@@ -33,7 +34,7 @@ class TextStream:
         self.markup: int | None = None  # where held tool-call markup begins
         self.stopped = False  # a stop string ended the completion
         self.tokens = 0  # tokens that belong to the completion
-        self.offsets: list[int] = []  # each counted token's start in `text`
+        self.offsets: list[int] = []  # each counted token's start in `text` (plus offset)
 
     def _new_text(self) -> str:
         before = self._decode(self._ids[self._window:self._read])
@@ -48,7 +49,7 @@ class TextStream:
         if self.stopped:
             return ""
         self.tokens += 1
-        self.offsets.append(len(self.text))
+        self.offsets.append(self._offset + len(self.text))
         self._ids.append(token)
         searched = max(0, len(self.text) - max(map(len, self._stop), default=0))
         self.text += self._new_text()

@@ -96,6 +96,19 @@ def test_a_repeated_request_is_served_from_the_sqlite_cache(tmp_path):
     assert (tmp_path / CACHE_FILE).is_file()
 
 
+def test_judge_response_format_is_sent_and_keys_the_cache(tmp_path):
+    with StubServer() as server:
+        with RewardPool(_cfg(server, tmp_path), JUDGES[:1]) as pool:
+            pool.score([_sample("good")])
+        with RewardPool(_cfg(server, tmp_path, "judge.response_format=json_object"),
+                        JUDGES[:1]) as pool:
+            [scored] = pool.score([_sample("good")]).results["cedar_coverage"]
+        assert len(server.requests) == 2  # not the cached reply to the request without it
+    assert "response_format" not in server.requests[0].body
+    assert server.requests[1].body["response_format"] == {"type": "json_object"}
+    assert scored.value == pytest.approx(2 / 3)
+
+
 def test_the_api_key_reaches_the_server_and_nothing_else(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("JAXRL_TEST_JUDGE_KEY", FAKE_KEY)
     caplog.set_level(logging.DEBUG)

@@ -84,7 +84,7 @@ def test_unknown_fields_are_warned_about_once(server, caplog):
     with caplog.at_level(logging.WARNING, logger="jaxrl.serve"):
         for _ in range(2):
             c.chat.completions.create(model=server.model_id, messages=HELLO, max_tokens=2,
-                                      extra_body={"guided_json": {"x": 1}, "best_of_vendor": 2})
+                                      extra_body={"guided_decoding_backend": "x", "best_of_vendor": 2})
     warned = [r.getMessage() for r in caplog.records if "ignoring the request field" in
               r.getMessage()]
     assert len(warned) == 2 and "'best_of_vendor'" in warned[0]
