@@ -202,6 +202,8 @@ class Api:
                 for i, ids in enumerate(job.prompts) for j in range(s.n)]
         for empty in [j for j in jobs if j.max_tokens == 0]:
             empty.sink.done("length")
+        by_choice = list(jobs)
+        gen.on_stop = lambda index: self.scheduler.cancel([by_choice[index]])
         jobs = [j for j in jobs if j.max_tokens > 0]
         if jobs:
             with _admission():

@@ -47,6 +47,8 @@ class Generation:
         self._queue: asyncio.Queue = asyncio.Queue()
         self.first_token_at: float | None = None
         self.finished_at: float | None = None
+        # on_stop(index): choice `index` ended on a stop string (its engine job is cancelled)
+        self.on_stop: Callable[[int], None] | None = None
 
     def sink(self, index: int) -> _Sink:
         return _Sink(self._post, index)
@@ -89,7 +91,11 @@ class Generation:
                 self._token_text(token), logprob,
                 tuple((self._token_text(t), lp) for t, lp in top[:self._logprobs]),
                 stream.offsets[-1]))
-        return self._end(index, "stop", piece) if stream.stopped else piece
+        if not stream.stopped:
+            return piece
+        if self.on_stop is not None:
+            self.on_stop(index)
+        return self._end(index, "stop", piece)
 
     def _end(self, index: int, finish_reason: str, piece: Piece | None = None) -> Piece:
         stream = self.streams[index]

@@ -16,8 +16,9 @@ Prompt log-probs (`echo` with `logprobs` on /v1/completions) are `Score` jobs: t
 runs one teacher-forced forward of the request's model (`scorer`, jaxrl/serve/scoring.py)
 between engine steps, so the device is only ever driven from this thread.
 
-A job still waiting can be cancelled (its client went away); a job in the engine decodes to
-its end, as the engine has no way to free a slot early. A failing engine step fails the jobs
+A job can be cancelled at any time (its client went away, or a stop string ended its reply):
+one still waiting is dropped, one in the engine is cancelled there (`Engine.cancel`: its slot
+is freed before the next step and nothing decoded after reaches its client). A failing engine step fails the jobs
 it held and the engine is built anew; waiting jobs are kept. Admission control: a request is
 refused with `Overloaded` when more than `max_queue` requests would be left waiting after the
 next admission (requests that the free slots take at once never count as queued; so do at
@@ -140,6 +141,7 @@ class Scheduler:
         self._cond = threading.Condition()
         self._waiting: deque[tuple[int, list[Job]]] = deque()  # (adapter index, jobs)
         self._running: dict[int, Job] = {}  # id(request) -> job
+        self._requests: dict[int, Request] = {}  # id(job) -> its request in the engine
         self._scores: deque[tuple[str, Score]] = deque()  # (model, job)
         self._closed = False
         self.counts = Counts(model_steps=dict.fromkeys(self._labels.values(), 0),
@@ -198,9 +200,14 @@ class Scheduler:
             self._cond.notify()
 
     def cancel(self, jobs: Sequence[Job | Score]) -> None:
-        """Drop those of `jobs` that still wait (their client is gone)."""
+        """Drop those of `jobs` that still wait, and cancel those in the engine, whose slots
+        are freed before its next step (their client is gone, or a stop string ended them)."""
         drop = {id(j) for j in jobs}
         with self._cond:
+            for job_id in drop:
+                request = self._requests.get(job_id)
+                if request is not None:
+                    self.engine.cancel(request)
             kept = [(i, [j for j in req if id(j) not in drop]) for i, req in self._waiting]
             self._waiting = deque((i, req) for i, req in kept if req)
             self._scores = deque((m, j) for m, j in self._scores if id(j) not in drop)
@@ -239,11 +246,13 @@ class Scheduler:
         request.on_token = lambda t, lp: token(t, lp, request)
         request.on_done = self._finished
         self._running[id(request)] = job
+        self._requests[id(job)] = request
         self.engine.submit(request)
 
     def _finished(self, request: Request) -> None:
         with self._cond:
             job = self._running.pop(id(request))
+            self._requests.pop(id(job), None)
             self._changed()
         job.sink.done(request.finish_reason)
 
@@ -285,6 +294,7 @@ class Scheduler:
                           len(self._running))
             with self._cond:
                 failed, self._running = list(self._running.values()), {}
+                self._requests = {}
                 self._changed()
             for job in failed:
                 job.sink.fail(error)

@@ -196,3 +196,32 @@ def test_a_client_that_leaves_early_is_logged_and_counted_as_499(server, access_
     conn = http.client.HTTPConnection(server.host, server.port, timeout=120)
     conn.request("GET", "/health")
     assert conn.getresponse().status == 200
+
+
+def _engine(server):
+    return server._scheduler.engine
+
+
+def test_a_stream_whose_client_hangs_up_frees_its_slot(server):
+    engine = _engine(server)
+    chat = {"model": server.model_id, "messages": HELLO, "max_tokens": 200, "temperature": 0,
+            "logit_bias": {"0": -100, "2": -100}, "stream": True}  # no EOS: 200 tokens
+    before = engine.stats.tokens
+    stream = _send(server, "/chat/completions", chat)
+    assert stream.recv(1 << 16).startswith(b"HTTP/1.1 200")
+    stream.close()
+    _until(lambda: server.counts.running == 0, "the slot is freed", timeout=60)
+    assert engine.stats.tokens - before < 150  # decoding stopped long before 200 tokens
+
+
+def test_a_reply_ended_by_a_stop_string_frees_its_slot(server):
+    engine = _engine(server)
+    chat = {"model": server.model_id, "messages": HELLO, "max_tokens": 200, "temperature": 0,
+            "logit_bias": {"0": -100, "2": -100}}
+    free = client(server).chat.completions.create(**{**chat, "max_tokens": 12})
+    stop = free.choices[0].message.content[2:5]  # a piece of the first words
+    before = engine.stats.tokens
+    reply = client(server).chat.completions.create(**chat, stop=[stop])
+    assert reply.choices[0].finish_reason == "stop"
+    _until(lambda: server.counts.running == 0, "the slot is freed", timeout=60)
+    assert engine.stats.tokens - before < 40  # not 200: cancelled at the stop string
