@@ -1,4 +1,5 @@
-"""The run directory: resolved config, metrics.jsonl, samples.jsonl, TensorBoard, report.png.
+"""The run directory: resolved config, metrics.jsonl, samples.jsonl, TensorBoard, report.png;
+the trackers that `logging` turns on (W&B: jaxrl/trackers.py) get the same rows.
 
 In a multi-process run process 0 alone writes them; the others' calls do nothing (their rows
 reach process 0 through jaxrl/distributed.py first)."""
@@ -7,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -16,6 +18,7 @@ from jaxrl.config import Config, dump_yaml
 from jaxrl.distributed import initialize_from_env
 from jaxrl.report import write_report
 from jaxrl.tensorboard import ScalarWriter
+from jaxrl.trackers import Trackers
 
 
 def _jsonable(value: Any) -> Any:
@@ -38,9 +41,12 @@ class RunLog:
         self.metrics_path = self.dir / "metrics.jsonl"
         self.samples_path = self.dir / "samples.jsonl"
         self._tb = None
+        self._trackers: Trackers | None = None
+        self._last_step: int | None = None
         if self.writes:
             self.dir.mkdir(parents=True, exist_ok=True)
             dump_yaml(cfg, self.dir / "config.yaml")
+            self._trackers = Trackers(cfg, self.dir)  # a tracker that cannot start raises here
             if cfg.logging.tensorboard:
                 self._tb = ScalarWriter(self.dir / "tensorboard")
 
@@ -53,6 +59,9 @@ class RunLog:
         if self._tb is not None:
             self._tb.write(step, {k: float(v) for k, v in metrics.items()
                                   if isinstance(v, (int, float))})
+        if self._trackers is not None:
+            self._trackers.log(step, metrics)
+            self._last_step = step
 
     def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
         if not self.writes:
@@ -60,15 +69,27 @@ class RunLog:
         with open(self.samples_path, "a") as f:
             for row in rows:
                 f.write(json.dumps({"step": step, **row}, default=_jsonable) + "\n")
+        if self._trackers is not None:
+            self._trackers.samples(step, rows)
 
     def finish(self) -> Path | None:
-        """Writes report.png from the metrics so far (None when no step was logged)."""
+        """Writes report.png from the metrics so far (None when no step was logged) and ends
+        the trackers' runs (failed when called while an exception propagates)."""
+        failed = sys.exc_info()[0] is not None
         if self._tb is not None:
             self._tb.close()
             self._tb = None
-        if not self.writes or not self.metrics_path.exists():
-            return None
-        return write_report(self.metrics_path, self.dir / "report.png")
+        trackers, self._trackers = self._trackers, None
+        try:
+            if not self.writes or not self.metrics_path.exists():
+                return None
+            report = write_report(self.metrics_path, self.dir / "report.png")
+            if trackers is not None:
+                trackers.image("report", report, self._last_step)
+            return report
+        finally:
+            if trackers is not None:
+                trackers.finish(failed=failed)
 
 
 def trim_logs(run_dir: Path, step: int, log: Callable[[str], None] = print) -> None:
