@@ -22,7 +22,7 @@ $JAX_COMPILATION_CACHE_DIR (default $JAXRL_CACHE/jax-compile), so later runs sta
 
 # Each verb is a module of jaxrl.commands with `register(subparsers)`.
 VERBS = ("train", "model", "score", "generate", "data", "export", "investigate", "serve", "eval",
-         "sft", "rationale", "guide", "plan", "bench")
+         "sft", "rationale", "guide", "plan", "bench", "pilot")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -55,6 +55,12 @@ def register(sub) -> None:
                        "model's context); every decode step reads this many cache columns")
     serve.add_argument("--chunk", type=int, metavar="N", default=8,
                        help="decode steps between admissions of waiting requests (default 8)")
+    serve.add_argument("--prefill-chunk", type=int, metavar="N", default=512,
+                       help="prefill a longer prompt N tokens a step, between decode steps, so "
+                       "running requests keep their pace (default 512; 0: whole prompts)")
+    serve.add_argument("--no-warmup", action="store_true",
+                       help="skip compiling the programs at start (/health says warming until "
+                       "they are compiled; without it the first requests compile them)")
     serve.add_argument("--max-queue", type=int, metavar="N", default=256,
                        help="requests that may wait while every slot is taken before 503 "
                        "(default 256); requests that free slots take at once never count")
@@ -88,6 +94,8 @@ def _options(args) -> dict:
     for flag in ("slots", "chunk", "max_queue", "default_max_tokens"):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 1; got {getattr(args, flag)}")
+    if args.prefill_chunk < 0:
+        raise UsageError(f"--prefill-chunk must be >= 0; got {args.prefill_chunk}")
     if args.max_model_len < 2:
         raise UsageError(f"--max-model-len must be >= 2; got {args.max_model_len}")
     if not args.body_timeout > 0:
@@ -103,7 +111,8 @@ def _options(args) -> dict:
     return {"model_id": args.served_model_name, "slots": args.slots,
             "max_model_len": args.max_model_len, "chunk": args.chunk,
             "max_queue": args.max_queue, "default_max_tokens": args.default_max_tokens,
-            "api_key": api_key, "seed": args.seed, "body_timeout_s": args.body_timeout}
+            "api_key": api_key, "seed": args.seed, "body_timeout_s": args.body_timeout,
+            "prefill_chunk": args.prefill_chunk, "warmup": not args.no_warmup}
 
 
 def _is_loopback(host: str) -> bool:

@@ -330,7 +330,9 @@ class Engine:
         # the prefill's columns fit the slot's (a block's: its prompt columns); a prompt fits
         # them, its bucket may not where the capacity is no power of two
         width = min(width, self.prompt_capacity if share > 1 else self.capacity)
-        m, n = self._rows(m) * share, n * share
+        # slots filled: every slot of this process's for single slots (so how many requests
+        # arrive together, or a request's n, never makes a new program), whole blocks else
+        m, n = (self._local_slots if share == 1 else self._rows(m) * share), n * share
         prompts, lengths = np.zeros((u, width), np.int32), np.ones((u,), np.int32)
         adapter = np.zeros((u,), np.int32)
         for row, (index, ids) in enumerate(distinct):

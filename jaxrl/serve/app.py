@@ -110,7 +110,8 @@ class Api:
 
     async def health(self, request: Request) -> Response:
         c = self.scheduler.counts
-        return JSONResponse({"status": "ok", "waiting": c.waiting, "running": c.running,
+        status = "warming" if self.scheduler.warming else "ok"
+        return JSONResponse({"status": status, "waiting": c.waiting, "running": c.running,
                              "models": self.scheduler.models})
 
     async def prometheus(self, request: Request) -> Response:

@@ -129,7 +129,8 @@ class Scheduler:
 
     def __init__(self, make_engine: Callable[[], Engine], adapters: Mapping[str, Lora | None],
                  max_queue: int, on_change: Callable[[Counts], None] | None = None,
-                 scorer: Callable[[Sequence[int], Lora | None], object] | None = None):
+                 scorer: Callable[[Sequence[int], Lora | None], object] | None = None,
+                 warmup: Callable[[Engine], None] | None = None):
         self._make_engine, self._adapters = make_engine, dict(adapters)
         self.max_queue, self._on_change, self._scorer = max_queue, on_change, scorer
         self._lora, self._index = engine_lora(self._adapters)
@@ -144,6 +145,8 @@ class Scheduler:
         self._requests: dict[int, Request] = {}  # id(job) -> its request in the engine
         self._scores: deque[tuple[str, Score]] = deque()  # (model, job)
         self._closed = False
+        self._warmup = warmup
+        self.warming = warmup is not None  # the engine thread compiles first
         self.counts = Counts(model_steps=dict.fromkeys(self._labels.values(), 0),
                              model_tokens=dict.fromkeys(self._labels.values(), 0))
         self._thread = threading.Thread(target=self._loop, name="jaxrl-serve-engine",
@@ -257,6 +260,12 @@ class Scheduler:
         job.sink.done(request.finish_reason)
 
     def _loop(self) -> None:
+        if self._warmup is not None:
+            try:
+                self._warmup(self.engine)
+            except Exception:  # noqa: BLE001 -- a failed warm-up leaves compiling to requests
+                log.exception("warming the engine up failed; requests compile as they come")
+            self.warming = False
         while True:
             with self._cond:
                 while (not self._closed and not self._running and not self._waiting

@@ -42,6 +42,9 @@ class ServeOptions:
     seed: int = 0  # of the keys unseeded sampled requests draw from
     body_timeout_s: float = 30.0  # a request body must arrive within this
     workers: int = 2  # threads that parse, render and tokenize prompts
+    # a longer prompt is prefilled this many tokens a step, between decode steps (0: whole)
+    prefill_chunk: int = 512
+    warmup: bool = False  # compile the programs before /health says ok (module docstring)
 
 
 class ServerHandle:
@@ -98,6 +101,28 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def warm(engine: Engine) -> None:
+    """Compile what requests will run: a prefill of every power-of-two prompt width up to the
+    engine's prefill piece (or its context), greedy and sampled, the decode chunk of each, and
+    the `extend` pass of every piece width of a prompt in pieces, by decoding such requests
+    (two tokens each). A request's n needs nothing more: the engine fills its slots in one
+    shape however many arrive together."""
+    from jaxrl.sampling.buckets import bucket
+    from jaxrl.sampling.requests import Request
+    from jaxrl.sampling.sampling_fns import Decoding
+
+    context = engine.capacity - 1
+    longest = min(engine.prefill_chunk or context, context - 1)
+    widths = sorted({min(1 << i, longest) for i in range(bucket(longest).bit_length())})
+    rounds = [(w, d) for w in widths for d in (Decoding(0.0), Decoding(1.0))]
+    if engine.prefill_chunk and engine.prefill_chunk < context - 1:
+        rounds += [(engine.prefill_chunk + w, Decoding(0.0)) for w in widths
+                   if engine.prefill_chunk + w < context]
+    for width, decoding in rounds:
+        engine.submit(Request([1] * width, decoding, 2))
+        engine.run()
+
+
 def start_server(model: Pretrained, host: str = "127.0.0.1", port: int = 8000, *,
                  model_id: str | None = None, adapters: Mapping[str, Lora] | None = None,
                  **options) -> ServerHandle:
@@ -116,9 +141,11 @@ def start_server(model: Pretrained, host: str = "127.0.0.1", port: int = 8000, *
     metrics = Metrics()
     scheduler = Scheduler(
         lambda: Engine(model.params, model.spec, eos_ids=model.eos_ids, slots=opts.slots,
-                       capacity=context, chunk=opts.chunk),
+                       capacity=context, chunk=opts.chunk,
+                       prefill_chunk=min(opts.prefill_chunk, context - 1)),
         models, opts.max_queue, on_change=metrics.engine,
-        scorer=PromptScorer(model.params, model.spec, numerics_of(None)))
+        scorer=PromptScorer(model.params, model.spec, numerics_of(None)),
+        warmup=warm if opts.warmup else None)
     preparer = Preparer(model.tokenizer, list(models), model.spec.vocab_size, context,
                         opts.default_max_tokens, opts.seed, eos_ids=model.eos_ids)
     api = Api(scheduler, preparer, copy.deepcopy(model.tokenizer), metrics, opts.api_key,
