@@ -52,7 +52,7 @@ from jaxrl.lora.lora import Lora
 from jaxrl.sampling.buckets import bucket
 from jaxrl.sampling.engine import Engine
 from jaxrl.sampling.requests import Request
-from jaxrl.sampling.sampler import REFILL_CHUNK
+from jaxrl.sampling.sampler import REFILL_CHUNK, slot_layout
 from jaxrl.sampling.sampling_fns import Decoding
 
 POLICY, JUDGE_ADAPTER = 1, 2  # adapter indices in the shared engine (0: the base alone)
@@ -102,8 +102,7 @@ def layout(cfg: Config, rows: int, ways: int = 1) -> Layout:
     """The engines' layout for `rows` rollout rows a step (this process's), slot counts rounded
     up to whole multiples of the mesh's `ways` batch shards."""
     whole = lambda n: math.ceil(n / ways) * ways
-    limit = cfg.sampling.slots or rows
-    return Layout(rollout_slots=whole(bucket(min(rows, limit), minimum=1)),
+    return Layout(rollout_slots=slot_layout(rows, 1, cfg.sampling.slots, ways)[0],
                   rollout_capacity=bucket(cfg.data.max_prompt_tokens)
                   + bucket(cfg.sampling.max_new_tokens),
                   judge_slots=whole(cfg.judge.slots),

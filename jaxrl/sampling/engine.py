@@ -234,13 +234,14 @@ class Engine:
         self._admit()
         self._extend()
         if distributed.host_max(len(self._active)):
+            features, masked = self._features("generate", masked=list(self._active.values()))
             allowed = self._allowed({s - self._first: r for s, r in self._active.items()},
-                                    self._local_slots)
+                                    self._local_slots, masked)
             self.state, chunk = generate(self.state, self.params, self.lora, spec=self.spec,
                                          eos_ids=self.eos_ids,
                                          steps=self.chunk if allowed is None else 1,
                                          shardings=self.shardings, numerics=self.numerics,
-                                         features=self._features("generate"), allowed=allowed)
+                                         features=features, allowed=allowed)
             chunk, live = self._local((chunk, self.state.live))
             adapters = np.zeros(self._local_slots, np.int64)
             counted = np.zeros(self._local_slots, bool)
@@ -262,29 +263,32 @@ class Engine:
         while not done() and self.step():
             pass
 
-    def _features(self, program: str, new: Sequence[Request] = ()) -> Features:
-        """The features `program` runs with: those that cover the requests decoding in the
-        slots and `new`, united over the processes (every process calls it), or, where this
-        engine already ran `program` with features that cover those, the fewest of them, so
-        that settings coming and going compile no program for each combination."""
+    def _features(self, program: str, new: Sequence[Request] = (),
+                  masked: Sequence[Request] = ()) -> tuple[Features, bool]:
+        """(features, masked) for `program`: the features that cover the requests decoding
+        in the slots and `new`, united over the processes (every process calls it), or, where
+        this engine already ran `program` with features that cover those, the fewest of them,
+        so that settings coming and going compile no program for each combination; and
+        whether any process has a constrained request among the rows `masked` whose next
+        token the program draws (it then takes their masks, `_allowed`)."""
         local = Features.of([r.decoding for r in (*self._active.values(), *new)])
-        bits = 0
-        for b in distributed.gather_json(local.bits()):
-            bits |= int(b)
+        constrained = any(r.constraint is not None for r in masked)
+        bits, any_masked = 0, False
+        for b, c in distributed.gather_json([local.bits(), constrained]):
+            bits, any_masked = bits | int(b), any_masked or bool(c)
         need = Features.from_bits(bits)
         used = self._used.setdefault(program, set())
         covering = [f for f in used if f.bits() & bits == bits]
         chosen = min(covering, key=lambda f: (bin(f.bits()).count("1"), f.bits()),
                      default=need)
         used.add(chosen)
-        return chosen
+        return chosen, any_masked
 
-    def _allowed(self, rows: dict[int, Request], n: int):
+    def _allowed(self, rows: dict[int, Request], n: int, masked: bool):
         """[n, V] the tokens each of n rows may take next, row i's from rows[i]'s constraint
-        (all where it has none, or no request), laid out as the programs take it; None when no
-        process has a constrained request among its rows (every process calls it)."""
-        if not distributed.host_max(int(any(r.constraint is not None
-                                            for r in rows.values()))):
+        (all where it has none, or no request), laid out as the programs take it; None unless
+        `masked` (`_features`: some process has a constrained request among its rows)."""
+        if not masked:
             return None
         v = self.spec.vocab_size
         allowed = np.ones((n, v), bool)
@@ -352,13 +356,13 @@ class Engine:
         if self.shardings is not None:
             data = distributed.rows_to_global(self.shardings, data)
         prompts, lengths, adapter, rows = data
+        features, masked = self._features("admit", take, take)
         self.state, picked, done = admit(
             self.state, self.params, self.lora, prompts, lengths, adapter, rows["src"],
             rows["dst"],
             rows["keys"], rows["settings"], rows["budget"], spec=self.spec,
             eos_ids=self.eos_ids, shardings=self.shardings, numerics=self.numerics,
-            features=self._features("admit", take),
-            allowed=self._allowed(dict(enumerate(take)), m))
+            features=features, allowed=self._allowed(dict(enumerate(take)), m, masked))
         p, done = self._local((picked, done))
         self.stats.prefills += len(distinct)
         self.stats.admitted += n
@@ -425,13 +429,14 @@ class Engine:
         data = (tokens, start, count, keys, RowSettings.of(decodings), budget)
         if self.shardings is not None:
             data = distributed.rows_to_global(self.shardings, data)
+        features, masked = self._features("extend", owners, owners)
         self.state, picked, done = extend(self.state, self.params, self.lora, *data,
                                           spec=self.spec, eos_ids=self.eos_ids,
                                           shardings=self.shardings, numerics=self.numerics,
-                                          features=self._features("extend", owners),
+                                          features=features,
                                           allowed=self._allowed(
                                               {slot - self._first: r for r, (slot, *_) in
-                                               zip(owners, pieces)}, n))
+                                               zip(owners, pieces)}, n, masked))
         picked, done = self._local((picked, done))
         self.stats.continued += len(take)
         self.stats.prefill_pieces += len(filling)
