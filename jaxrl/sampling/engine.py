@@ -60,9 +60,10 @@ class Engine:
     them once for the R slots. Such slots are freed a block at a time and cannot be held for
     continuations. numerics: the backend forms its programs take (`jaxrl.backends.numerics`;
     None: the choice for the mesh's devices, or the default device's). prefill_chunk (share
-    1): a prompt longer than this many tokens is prefilled this many tokens a step, each piece
-    in the step's `extend` pass, so the requests decoding meanwhile keep their pace (0: a
-    prompt in one piece); it draws its first token once its last piece is in."""
+    1): a prompt longer than this many tokens is prefilled this many tokens a step (its first
+    piece when admitted, then one piece a step of the prompt admitted first, in the step's
+    `extend` pass over that slot alone), so the requests decoding meanwhile keep their pace
+    (0: a prompt in one piece); it draws its first token once its last piece is in."""
 
     def __init__(self, params: Params, spec: ModelSpec, *, eos_ids: Sequence[int] = (),
                  slots: int = 16, capacity: int = 2048, chunk: int = 16,
@@ -406,9 +407,12 @@ class Engine:
             request.slot = request.follows.slot
             request.column = request.start() + len(request.appended())
             del self._held[request.slot]
-        filling = [(slot, entry) for slot, entry in self._prefilling.items() if not entry[2]]
+        # one piece a step, of the prompt admitted first (a step's budget of prompt tokens
+        # beside the decoding rows: prefill_chunk, and one shape, warmed by serving)
+        filling = [(slot, entry) for slot, entry in self._prefilling.items()
+                   if not entry[2]][:1]
         for entry in self._prefilling.values():
-            entry[2] = False  # one piece a step: the next one at the next step
+            entry[2] = False  # admitted this step: its next piece from the next step on
         for slot, (request, cached, _) in filling:
             piece = list(request.prompt[cached:cached + self.prefill_chunk])
             last = cached + len(piece) == len(request.prompt)
@@ -416,17 +420,17 @@ class Engine:
         if distributed.host_max(len(pieces)) == 0:
             return
         width = bucket(distributed.host_max(max((len(p[1]) for p in pieces), default=1)))
-        n = self._local_slots
+        n = self._rows(distributed.host_max(len(pieces)))  # only the rows continued
+        rows = np.full((n,), self.slots, np.int32)  # padding: slot S, dropped
         tokens, start = np.zeros((n, width), np.int32), np.zeros((n,), np.int32)
         count, budget = np.zeros((n,), np.int32), np.ones((n,), np.int32)
         keys, decodings = np.zeros((n, 2), np.uint32), [Decoding()] * n
         owners = take + [entry[0] for _, entry in filling]
-        for request, (slot, ids, first, room) in zip(owners, pieces):
-            row = slot - self._first
-            tokens[row, :len(ids)], start[row], count[row] = ids, first, len(ids)
-            keys[row], decodings[row] = np.asarray(request.key, np.uint32), request.decoding
-            budget[row] = room
-        data = (tokens, start, count, keys, RowSettings.of(decodings), budget)
+        for i, (request, (slot, ids, first, room)) in enumerate(zip(owners, pieces)):
+            rows[i], tokens[i, :len(ids)], start[i], count[i] = slot, ids, first, len(ids)
+            keys[i], decodings[i] = np.asarray(request.key, np.uint32), request.decoding
+            budget[i] = room
+        data = (rows, tokens, start, count, keys, RowSettings.of(decodings), budget)
         if self.shardings is not None:
             data = distributed.rows_to_global(self.shardings, data)
         features, masked = self._features("extend", owners, owners)
@@ -434,20 +438,19 @@ class Engine:
                                           spec=self.spec, eos_ids=self.eos_ids,
                                           shardings=self.shardings, numerics=self.numerics,
                                           features=features,
-                                          allowed=self._allowed(
-                                              {slot - self._first: r for r, (slot, *_) in
-                                               zip(owners, pieces)}, n, masked))
+                                          allowed=self._allowed(dict(enumerate(owners)), n,
+                                                                masked))
         picked, done = self._local((picked, done))
         self.stats.continued += len(take)
         self.stats.prefill_pieces += len(filling)
-        for request in take:
-            self._start(request, request.slot - self._first, picked, done)
-        for slot, entry in filling:
+        for i, request in enumerate(take):
+            self._start(request, i, picked, done)
+        for i, (slot, entry) in enumerate(filling, len(take)):
             request, cached, _ = entry
             entry[1] = min(cached + self.prefill_chunk, len(request.prompt))
             if entry[1] == len(request.prompt):
                 del self._prefilling[slot]
-                self._start(request, slot - self._first, picked, done)
+                self._start(request, i, picked, done)
 
     def _dispatch(self, chunk: Chunk, live) -> None:
         for slot, request in list(self._active.items()):
@@ -455,6 +458,8 @@ class Engine:
             if request.cancelled:  # its tokens are dropped; `_drop_cancelled` frees the slot
                 continue
             for j in np.flatnonzero(chunk.emitted[row]):
+                if request.cancelled:  # by its own token's callback (a stop string)
+                    break
                 request._emit(int(chunk.tokens[row, j]), float(chunk.logprobs[row, j]),
                               chunk.top_ids[row, j], chunk.top_logprobs[row, j])
             if not live[row]:

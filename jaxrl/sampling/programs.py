@@ -4,7 +4,7 @@ that fill and advance them; the host loop that drives them is `Engine`
 
 Glossary: S decode slots, C cache columns per slot (its capacity), U distinct prompts prefilled
 together, P their width (bucketed), M slots filled together, N steps per `generate` call (the
-chunk), V vocab.
+chunk), R slots continued together, A the tokens appended to each (bucketed), V vocab.
 
 Slots. Each slot holds one request's row of the KV cache, left-aligned: its prompt in columns
 [0, len), its t-th new token in column len + t, so a token's cache column is its position and
@@ -34,10 +34,11 @@ the shapes):
             the chunk is N steps, always: a slot that is not live changes nothing and emits
             nothing, so no step waits on the host to learn whether to go on; otherwise (CPU)
             it stops early once no slot is live.
-  extend    continue conversations held in their slots (jaxrl/sampling/requests.py): rewind
-            each such slot's cache to its kept tokens, append up to A tokens [S, A] there in one
-            pass over every slot (those not continued are left as they were), and draw each
-            continued slot's first new token under its new key, settings and budget.
+  extend    continue R slots: conversations held in their slots (jaxrl/sampling/requests.py)
+            and prompts prefilled in pieces. Rewind each such slot's cache to its kept tokens,
+            append up to A tokens [R, A] there in one pass over those R rows alone (the other
+            slots are left as they were), and draw each row's first new token under its new
+            key, settings and budget.
 Adapters: with an `AdapterSet` as the programs' lora, each slot decodes with its own adapter
 (`Slots.adapter`, its index; `admit` takes each prefilled prompt's), through the set's rows form
 (`AdapterSet.for_rows`): the indices are data, so a new mix of adapters compiles nothing.
@@ -46,8 +47,8 @@ holds (greedy choice, draws, each filter, the penalties, top log-probs) is stati
 `Features` the host computes from the settings of the slots it fills and holds
 (`jaxrl.sampling.sampling_fns.Features`), so new settings compile a program only where they
 need a part the programs compiled so far leave out. S, C and N are fixed per engine, and U, M,
-P and A are rounded up to powers of two, so the programs number at most one `generate` per
-features value, one `admit` per (U, M, P) bucket and features value and one `extend` per A
+P, R and A are rounded up to powers of two, so the programs number at most one `generate` per
+features value, one `admit` per (U, M, P) bucket and features value and one `extend` per (R, A)
 bucket and features value; a run whose rows share one setting (a GRPO rollout) compiles one
 features value.
 
@@ -335,58 +336,75 @@ def retire(state: Slots, stop: jax.Array) -> Slots:
 
 def _appended_history(history: History, tokens: jax.Array, count: jax.Array,
                       vocab: int) -> History:
-    """history with each row's first count[s] tokens [S, A] added to its prompt tokens (the
+    """history with each row's first count[r] tokens [R, A] added to its prompt tokens (the
     penalties treat appended tokens as prompt)."""
-    s, a = tokens.shape
+    r, a = tokens.shape
     real = jnp.arange(a)[None, :] < count[:, None]
-    rows = jnp.broadcast_to(jnp.arange(s)[:, None], (s, a))
+    rows = jnp.broadcast_to(jnp.arange(r)[:, None], (r, a))
     return history.replace(prompt=history.prompt.at[rows, jnp.where(real, tokens, vocab)].set(
         True, mode="drop"))
 
 
+def _write_windows(stack: jax.Array, window: jax.Array, rows: jax.Array,
+                   start: jax.Array) -> jax.Array:
+    """stack [L, S, K, C, D] with window [L, R, K, A, D] written at slots rows [R], columns
+    [start[r], start[r] + A); rows past S and columns past C are dropped."""
+    n_layers, r, n_kv, a = window.shape[:4]
+    layers = jnp.arange(n_layers)[:, None, None, None]
+    heads = jnp.arange(n_kv)[None, None, :, None]
+    columns = (start[:, None] + jnp.arange(a))[None, :, None, :]  # [1, R, 1, A]
+    return stack.at[layers, rows[None, :, None, None], heads, columns].set(
+        window.astype(stack.dtype), mode="drop")
+
+
 @functools.partial(jax.jit, donate_argnums=0,
                    static_argnames=("spec", "eos_ids", "shardings", "numerics", "features"))
-def extend(state: Slots, params: Params, lora: Lora | AdapterSet | None, tokens: jax.Array,
-           start: jax.Array,
-           count: jax.Array, keys: jax.Array, settings: RowSettings, budget: jax.Array, *,
-           spec: ModelSpec, eos_ids: tuple[int, ...], shardings: MeshRules | None = None,
+def extend(state: Slots, params: Params, lora: Lora | AdapterSet | None, rows: jax.Array,
+           tokens: jax.Array, start: jax.Array, count: jax.Array, keys: jax.Array,
+           settings: RowSettings, budget: jax.Array, *, spec: ModelSpec,
+           eos_ids: tuple[int, ...], shardings: MeshRules | None = None,
            numerics: Numerics = REFERENCE, features: Features = ALL,
            allowed: jax.Array | None = None):
-    """Continue the slots with count [S] > 0 (module docstring): their caches keep columns
-    [0, start) and gain the first count tokens of tokens [S, A] (right-padded) behind them;
-    then each draws a first token with keys [S, 2], settings [S] (which features must cover
-    for those slots, `Features.covers`) and budget [S] (0: a piece of a prompt prefilled in
-    chunks, whose draw is only a placeholder: the slot is done and the token not recorded).
-    Slots with
-    count 0 keep their state (the pass writes their cache only past their filled columns,
-    which nothing reads). Returns the new state and, per slot [S], the first token with its
-    log-probs (`Picked`) and whether the slot is already done."""
+    """Continue slots rows [R] (module docstring; an entry naming slot S is padding, dropped):
+    slot rows[r]'s cache keeps columns [0, start[r]) and gains the first count[r] tokens of
+    tokens [R, A] (right-padded) behind them; then it draws a first token with keys [R, 2],
+    settings [R] (which features must cover, `Features.covers`) and budget [R] (0: a piece of
+    a prompt prefilled in chunks, whose draw is only a placeholder: the slot is done and the
+    token not recorded). Only those R rows pass through the model, each reading its own
+    slot's cache, so a piece costs what its rows hold whatever decodes beside it; every other
+    slot keeps its state. Returns the new state and, per row [R], the first token with its
+    log-probs (`Picked`) and whether the slot is already done. allowed [R, V]: the tokens each
+    row's first token may be (None: all)."""
     if state.prefix is not None:
         raise ValueError("slots that share a prompt cannot be continued")
-    params, lora = _place(params, lora, spec, shardings, numerics, state.adapter)
-    s, a = tokens.shape
-    on = count > 0
-    index = jnp.where(on, start, state.cache.index)
-    positions = index[:, None] + jnp.arange(a, dtype=jnp.int32)  # [S, A]
-    h, cache = hidden_states(params, tokens, positions, spec,
-                             attn_mask=jnp.ones((s, state.cache.max_len), bool),
-                             cache=state.cache.replace(index=index), lora=lora,
-                             shardings=shardings, numerics=numerics)
+    take = lambda a: jnp.take(a, rows, axis=0, mode="clip")  # padding reads some slot
+    params, lora = _place(params, lora, spec, shardings, numerics, take(state.adapter))
+    r, a = tokens.shape
+    cache = state.cache
+    own = KVCache(k=jnp.take(cache.k, rows, axis=1, mode="clip"),
+                  v=jnp.take(cache.v, rows, axis=1, mode="clip"), index=start)
+    positions = start[:, None] + jnp.arange(a, dtype=jnp.int32)  # [R, A]
+    h, own = hidden_states(params, tokens, positions, spec,
+                           attn_mask=jnp.ones((r, cache.max_len), bool), cache=own,
+                           lora=lora, shardings=shardings, numerics=numerics)
     last = jnp.take_along_axis(h, jnp.maximum(count - 1, 0)[:, None, None], axis=1)[:, 0]
-    logits = head_logits(shardings,
-                         lm_logits(params, last, spec, numerics))  # [S, V]
-    seen = _appended_history(state.history, tokens, count, spec.vocab_size)
+    logits = head_logits(shardings, lm_logits(params, last, spec, numerics))  # [R, V]
+    seen = _appended_history(jax.tree_util.tree_map(take, state.history), tokens, count,
+                             spec.vocab_size)
     picked = next_token(_fold(keys, 0), logits, settings, seen,
                         vocab_top_k(shardings, *logits.shape), features, allowed)
     token = picked.token
     done = jnp.isin(token, jnp.asarray(eos_ids, jnp.int32)) | (budget <= 1)
-    pick = lambda new, old: jnp.where(on.reshape(-1, *([1] * (old.ndim - 1))), new, old)
-    cache = cache.replace(index=jnp.where(on, start + count, state.cache.index))
+    columns = (start[:, None] + jnp.arange(a))[None, :, None, :, None]  # the new tokens'
+    window = lambda stack: jnp.take_along_axis(stack, columns, axis=3, mode="clip")
+    cache = cache.replace(k=_write_windows(cache.k, window(own.k), rows, start),
+                          v=_write_windows(cache.v, window(own.v), rows, start))
+    put = lambda old, new: old.at[rows].set(new, mode="drop")
     state = state.replace(
-        cache=cache, last=pick(token, state.last), live=pick(~done, state.live),
-        count=pick(jnp.ones_like(count), state.count), budget=pick(budget, state.budget),
-        keys=pick(keys, state.keys),
-        settings=jax.tree_util.tree_map(pick, settings, state.settings),
-        history=jax.tree_util.tree_map(pick, seen.record(token, on & (budget > 0)),
-                                       state.history))
+        cache=cache.replace(index=put(cache.index, start + count)), last=put(state.last, token),
+        live=put(state.live, ~done), count=put(state.count, jnp.ones_like(count)),
+        budget=put(state.budget, budget), keys=put(state.keys, keys),
+        settings=jax.tree_util.tree_map(put, state.settings, settings),
+        history=jax.tree_util.tree_map(put, state.history,
+                                       seen.record(token, budget > 0)))
     return state, picked, done

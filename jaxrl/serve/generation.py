@@ -1,8 +1,9 @@
 """One request's completions on the server's event loop: engine events in, reply pieces out.
 
-The engine thread calls each job's sink (`_Sink`), which posts the event onto the event loop
-(`call_soon_threadsafe` into an asyncio queue); `Generation.pieces` turns the events into text
-deltas through each choice's `TextStream`, with log-probs when asked, and at the end of a
+The engine thread calls each job's sink (`_Sink`), which turns each token into its text delta
+through the choice's `TextStream` (so a stop string cancels the job before the engine's next
+step) and posts it onto the event loop (`call_soon_threadsafe` into an asyncio queue);
+`Generation.pieces` hands out the deltas, with log-probs when asked, and at the end of a
 choice its finish reason and any tool calls. A choice ends at its first EOS id, its token
 budget, or a stop string (then the engine's later tokens for it are ignored).
 """
@@ -19,19 +20,29 @@ from jaxrl.hf.tool_calls import ToolSyntax
 
 
 class _Sink:
-    """A job's results, posted from the engine thread onto the event loop."""
+    """A job's results, posted from the engine thread onto the event loop. Each token goes
+    through its choice's `TextStream` here, on the engine thread, so a stop string cancels the
+    job (`Generation.on_stop`) before the engine's next step; tokens after it are dropped."""
 
-    def __init__(self, post: Callable[[tuple], None], index: int):
-        self._post, self._index = post, index
+    def __init__(self, generation: "Generation", index: int):
+        self._generation, self._index = generation, index
+        self._stream = generation.streams[index]
 
     def token(self, token: int, logprob: float, top) -> None:
-        self._post((self._index, "token", (token, logprob, top)))
+        stream = self._stream
+        if stream.stopped:
+            return
+        text = stream.push(token)
+        self._generation._post((self._index, "token",
+                                (token, logprob, top, text, stream.offsets[-1], stream.stopped)))
+        if stream.stopped and self._generation.on_stop is not None:
+            self._generation.on_stop(self._index)
 
     def done(self, finish_reason: str) -> None:
-        self._post((self._index, "done", finish_reason))
+        self._generation._post((self._index, "done", finish_reason))
 
     def fail(self, error: Exception) -> None:
-        self._post((self._index, "fail", error))
+        self._generation._post((self._index, "fail", error))
 
 
 class Generation:
@@ -47,11 +58,12 @@ class Generation:
         self._queue: asyncio.Queue = asyncio.Queue()
         self.first_token_at: float | None = None
         self.finished_at: float | None = None
-        # on_stop(index): choice `index` ended on a stop string (its engine job is cancelled)
+        # on_stop(index), called on the engine thread: choice `index` ended on a stop string
+        # (its engine job is to be cancelled)
         self.on_stop: Callable[[int], None] | None = None
 
     def sink(self, index: int) -> _Sink:
-        return _Sink(self._post, index)
+        return _Sink(self, index)
 
     def _post(self, event: tuple) -> None:
         try:
@@ -81,21 +93,19 @@ class Generation:
                 yield piece
         self.finished_at = time.monotonic()
 
-    def _token(self, index: int, token: int, logprob: float, top) -> Piece:
+    def _token(self, index: int, token: int, logprob: float, top, text: str, offset: int,
+               stopped: bool) -> Piece:
+        """The piece of one token that `_Sink.token` pushed through its stream: its text
+        delta, its start in the choice's text (offset) and whether a stop string ended the
+        choice with it."""
         if self.first_token_at is None:
             self.first_token_at = time.monotonic()
-        stream = self.streams[index]
-        piece = Piece(index, stream.push(token))
+        piece = Piece(index, text)
         if self._logprobs is not None:
             piece.logprobs.append(TokenLogprob(
                 self._token_text(token), logprob,
-                tuple((self._token_text(t), lp) for t, lp in top[:self._logprobs]),
-                stream.offsets[-1]))
-        if not stream.stopped:
-            return piece
-        if self.on_stop is not None:
-            self.on_stop(index)
-        return self._end(index, "stop", piece)
+                tuple((self._token_text(t), lp) for t, lp in top[:self._logprobs]), offset))
+        return self._end(index, "stop", piece) if stopped else piece
 
     def _end(self, index: int, finish_reason: str, piece: Piece | None = None) -> Piece:
         stream = self.streams[index]

@@ -191,9 +191,9 @@ def test_extend_has_no_branch_data_loop_or_host_transfer():
     state = jax.eval_shape(lambda p: init_slots(p, spec=SPEC, slots=4, capacity=32,
                                                 numerics=numerics), params)
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-    text = extend.trace(state, params, None, i32(4, 4), i32(4), i32(4),
-                        jax.ShapeDtypeStruct((4, 2), jnp.uint32), RowSettings.of([Decoding()] * 4),
-                        i32(4), spec=SPEC, eos_ids=(2,), numerics=numerics,
+    text = extend.trace(state, params, None, i32(2), i32(2, 4), i32(2), i32(2),
+                        jax.ShapeDtypeStruct((2, 2), jnp.uint32), RowSettings.of([Decoding()] * 2),
+                        i32(2), spec=SPEC, eos_ids=(2,), numerics=numerics,
                         features=ALL).lower(lowering_platforms=numerics.lowering_platforms).as_text()
     assert_no_round_trip(text)
 
