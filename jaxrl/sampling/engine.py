@@ -131,7 +131,13 @@ class Engine:
         prompt_room = self.prompt_capacity or self.capacity
         new_room = self.capacity - (self.prompt_capacity or n)
         for request in requests:
-            if n < 1 or not 1 <= request.max_new_tokens <= new_room or n > prompt_room:
+            if request.drawn and (self.prefill_chunk or self.share > 1
+                                  or not 0 < request.drawn < min(n, request.max_new_tokens)):
+                raise ValueError(f"a request resumed after {request.drawn} drawn tokens needs "
+                                 "them at the end of its prompt, max_new_tokens above them, "
+                                 "and an engine of single slots without prefill_chunk")
+            if (n < 1 or not 1 <= request.max_new_tokens - request.drawn <= new_room
+                    or n > prompt_room):
                 raise ValueError(
                     f"a request needs a prompt of >= 1 token and max_new_tokens >= 1 within the "
                     f"engine's {self.capacity} cache columns (of which {self.prompt_capacity} "
@@ -226,14 +232,14 @@ class Engine:
         return bool(self._queue or self._continuations or self._active or self._prefilling)
 
     def step(self) -> bool:
-        """Fill free slots, append continuations, decode one chunk, hand out tokens; whether
-        any process has work
-        left (every process calls it the same number of times)."""
+        """Fill free slots, decode one chunk, hand out tokens, then append continuations and
+        the next prompt piece (`_extend`, after the chunk, so a request admitted now gets its
+        chunk before a piece delays it); whether any process has work left (every process
+        calls it the same number of times)."""
         if self.feed is not None:
             self.feed()
         self._drop_cancelled()
         self._admit()
-        self._extend()
         if distributed.host_max(len(self._active)):
             features, masked = self._features("generate", masked=list(self._active.values()))
             allowed = self._allowed({s - self._first: r for s, r in self._active.items()},
@@ -251,6 +257,7 @@ class Engine:
                 counted[slot - self._first] = not request.cancelled
             self.stats.count_chunk(chunk.emitted & counted[:, None], adapters)
             self._dispatch(chunk, live)
+        self._extend()
         return bool(distributed.host_max(int(self.busy())))
 
     def run(self) -> None:
@@ -352,7 +359,8 @@ class Engine:
                           + [np.zeros(2, np.uint32)] * pad),
             settings=RowSettings.of([r.decoding for r in take] + [Decoding()] * pad),
             budget=np.asarray([0 if cut else r.max_new_tokens for r, cut in zip(take, chunked)]
-                              + [1] * pad, np.int32))
+                              + [1] * pad, np.int32),
+            first=np.asarray([r.drawn for r in take] + [0] * pad, np.int32))
         data = (prompts, lengths, adapter, rows)
         if self.shardings is not None:
             data = distributed.rows_to_global(self.shardings, data)
@@ -363,7 +371,8 @@ class Engine:
             rows["dst"],
             rows["keys"], rows["settings"], rows["budget"], spec=self.spec,
             eos_ids=self.eos_ids, shardings=self.shardings, numerics=self.numerics,
-            features=features, allowed=self._allowed(dict(enumerate(take)), m, masked))
+            features=features, allowed=self._allowed(dict(enumerate(take)), m, masked),
+            first=rows["first"])
         p, done = self._local((picked, done))
         self.stats.prefills += len(distinct)
         self.stats.admitted += n

@@ -214,7 +214,7 @@ def admit(state: Slots, params: Params, lora: Lora | AdapterSet | None, prompts:
           keys: jax.Array, settings: RowSettings, budget: jax.Array, *, spec: ModelSpec,
           eos_ids: tuple[int, ...], shardings: MeshRules | None = None,
           numerics: Numerics = REFERENCE, features: Features = ALL,
-          allowed: jax.Array | None = None):
+          allowed: jax.Array | None = None, first: jax.Array | None = None):
     """Prefill prompts [U, P] (right-padded; lengths [U]) under adapters adapter [U] (indices
     of an `AdapterSet` lora; ignored otherwise) and fill slots dst [M] from rows src [M] with
     keys [M, 2], settings [M] and budgets [M] (module docstring). With blocks of
@@ -222,8 +222,13 @@ def admit(state: Slots, params: Params, lora: Lora | AdapterSet | None, prompts:
     entries fill one block's slots in order from one row. features must cover the settings of
     the slots filled (`Features.covers`). Returns the new state and, per new slot [M], its
     first token with its log-probs (`Picked`) and whether the slot is already done. allowed
-    [M, V]: the tokens each new slot's first token may be (`next_token`; None: all)."""
+    [M, V]: the tokens each new slot's first token may be (`next_token`; None: all). first
+    [M]: how many of the completion's tokens each new slot's prompt already ends with (a
+    completion resumed after its slot was lost, `Request.drawn`; None: 0 each): the slot's
+    first token is then the completion's token first[m], drawn with fold_in(key, first[m]),
+    and its budget counts them."""
     params, lora = _place(params, lora, spec, shardings, numerics, adapter)
+    first = jnp.zeros_like(budget) if first is None else first
     u, p = prompts.shape
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (u, p))
     pre = init_cache(spec, u, p, _cache_dtype(params, numerics))
@@ -234,10 +239,10 @@ def admit(state: Slots, params: Params, lora: Lora | AdapterSet | None, prompts:
     logits = head_logits(shardings, head[src])  # [M, V]
     seen = jax.tree_util.tree_map(lambda a: a[src],
                                   History.of_prompts(prompts, lengths, spec.vocab_size))
-    picked = next_token(_fold(keys, 0), logits, settings, seen,
+    picked = next_token(_fold(keys, first), logits, settings, seen,
                         vocab_top_k(shardings, *logits.shape), features, allowed)
     token = picked.token
-    done = jnp.isin(token, jnp.asarray(eos_ids, jnp.int32)) | (budget <= 1)
+    done = jnp.isin(token, jnp.asarray(eos_ids, jnp.int32)) | (budget <= first + 1)
     put = lambda a, x: a.at[dst].set(x, mode="drop")
     prefix = state.prefix
     if prefix is None:
@@ -251,7 +256,7 @@ def admit(state: Slots, params: Params, lora: Lora | AdapterSet | None, prompts:
         cache = state.cache.replace(index=put(state.cache.index, jnp.zeros_like(dst)))
     state = state.replace(cache=cache, prefix=prefix, last=put(state.last, token),
                           live=put(state.live, ~done),
-                          count=put(state.count, jnp.ones_like(budget)),
+                          count=put(state.count, first + 1),
                           budget=put(state.budget, budget), keys=put(state.keys, keys),
                           adapter=put(state.adapter, adapter[src]),
                           settings=jax.tree_util.tree_map(put, state.settings, settings),

@@ -47,6 +47,12 @@ class Request:
     keep: int | None = None  # tokens of `follows` kept before `prompt` (None: all of them)
     adapter: int = 0
     constraint: Any = None
+    # the prompt's last `drawn` tokens are this completion's first ones, decoded before (by a
+    # request whose slot is gone: a rollout row resumed from a checkpoint); its next token is
+    # then the completion's token `drawn`, drawn with fold_in(key, drawn), so it decodes on as
+    # the lost request would have where the cache holds the same keys and values;
+    # max_new_tokens counts the drawn tokens too, `tokens` only the new ones
+    drawn: int = 0
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     # per token: the decoding.top_logprobs most likely (token id, log-prob), best first
