@@ -174,7 +174,9 @@ class Api:
             raise
         finish = functools.partial(self._finished, request, job, gen, jobs + scores, arrived)
         if job.settings.stream:
-            return StreamingResponse(self._stream(job, gen, scored, finish),
+            return StreamingResponse(self._stream(job, gen, scored, finish,
+                                                  _on_disconnect(request, lambda: self.scheduler
+                                                                 .cancel(jobs + scores))),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache",
                                               "X-Accel-Buffering": "no"})
@@ -280,9 +282,13 @@ class Api:
         self.metrics.generation(job.model, arrived, request.state.prompt_tokens, gen)
 
     async def _stream(self, job: Prepared, gen: Generation, scored: list[asyncio.Future],
-                      finish: Callable[[], None]) -> AsyncIterator[str]:
+                      finish: Callable[[], None], watch) -> AsyncIterator[str]:
+        """The reply's server-sent events; `watch` (`_on_disconnect`) runs beside them, so a
+        client that hangs up frees its slots before the next event would have failed to go
+        out."""
         reply, s = Reply(job.kind, job.model), job.settings
         logprobs = s.logprobs is not None
+        watcher = asyncio.ensure_future(watch)
         try:
             if job.kind == "chat":
                 for i in range(len(gen.streams)):
@@ -299,6 +305,7 @@ class Api:
         except Exception as error:  # noqa: BLE001 -- told to the client in the stream
             yield _sse(_generation_error(error).body())
         finally:
+            watcher.cancel()
             finish()
 
 
@@ -315,6 +322,13 @@ class _admission:
         if isinstance(error, Closed):
             raise p.ApiError(503, str(error), kind="server_error", code="shutting_down") from None
         return False
+
+
+async def _on_disconnect(request: Request, then: Callable[[], None]) -> None:
+    """Call then() once the client has disconnected (cancel this to stop watching)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    then()
 
 
 async def _unless_disconnected(request: Request, work):
