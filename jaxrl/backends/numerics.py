@@ -21,6 +21,10 @@ decides:
                bfloat16 projection as its exact float32 value (XLA:CPU updates a float32 stack
                of saved values in place, a bfloat16 one by converting the whole stack).
   compiler     the XLA options of the decode program (on the CPU a memory-ordered schedule).
+  chunk end    the early-stopping decode chunk (the CPU's; GPUs and TPUs run fixed chunks with
+               no host transfer) also ends at its next step once the host asks
+               (`interrupt_chunks`: a request was cancelled or arrived), so a freed slot or a
+               new request waits one decode step, not the rest of a chunk.
 
 A new backend form (a Pallas kernel, another layout) goes here: a field naming the choice, the
 choice made in `numerics_for`, and the method the model calls; the kernel itself lives beside
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 import warnings
 from typing import Any
 
@@ -38,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
+from jax.experimental import io_callback
 
 from jaxrl.backends import cpu
 from jaxrl.lora.lora import scaled_xa
@@ -71,6 +77,20 @@ class AtLayer:
             lambda a: jax.lax.dynamic_index_in_dim(a, self.layer, keepdims=False), self.stack)
 
 
+_interrupt = threading.Event()
+
+
+def interrupt_chunks() -> None:
+    """Ask the early-stopping decode chunk in flight (any engine's, this process) to end at its
+    next step (callable from any thread; `Numerics.chunk_interrupted`)."""
+    _interrupt.set()
+
+
+def chunk_begins() -> None:
+    """An engine step begins: what was asked before it is its to serve."""
+    _interrupt.clear()
+
+
 @dataclasses.dataclass(frozen=True)
 class Numerics:
     """The backend forms of one platform (module docstring). Hashable: a static argument."""
@@ -96,6 +116,12 @@ class Numerics:
                 raise ValueError(f"NF4 form {form!r} is not one of {NF4_FORMS}")
         if self.attention not in ATTENTION_FORMS:
             raise ValueError(f"attention {self.attention!r} is not one of {ATTENTION_FORMS}")
+
+    def chunk_interrupted(self) -> jax.Array:
+        """Inside the early-stopping decode chunk (not `fixed_chunk`): whether the host has
+        called `interrupt_chunks` since the engine's step began (a scalar bool, polled from
+        the host at each step)."""
+        return io_callback(lambda: np.bool_(_interrupt.is_set()), jax.ShapeDtypeStruct((), bool))
 
     @property
     def in_place_layers(self) -> bool:

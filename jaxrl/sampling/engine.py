@@ -36,7 +36,7 @@ import jax
 import numpy as np
 
 from jaxrl import distributed
-from jaxrl.backends.numerics import Numerics, numerics_of
+from jaxrl.backends.numerics import Numerics, chunk_begins, interrupt_chunks, numerics_of
 from jaxrl.lora.adapters import AdapterSet
 from jaxrl.lora.lora import Lora
 from jaxrl.model.families import ModelSpec
@@ -195,8 +195,19 @@ class Engine:
         starts; one decoding is dropped before the next step decodes, its slot freed; no token
         decoded for it after this call is handed to it or counted. It then finishes with
         finish_reason "cancelled" (on_done is called on the engine's thread). A request that
-        has finished already is left as it is."""
+        has finished already is left as it is. An early-stopping chunk in flight (the CPU's)
+        ends at its next step (`interrupt`)."""
         request.cancelled = True
+        self.interrupt()
+
+    @staticmethod
+    def interrupt() -> None:
+        """Have the decode chunk in flight end at its next step where the numerics' chunk can
+        (the CPU's early-stopping one; GPUs and TPUs run theirs whole), so that what changed
+        meanwhile (a cancel, a request waiting outside the engine) is served a step later
+        rather than a chunk later; callable from any thread. The tokens are those of a whole
+        chunk either way."""
+        interrupt_chunks()
 
     def _drop_cancelled(self) -> None:
         """Finish the cancelled requests: drop queued ones and continuations, and retire the
@@ -227,6 +238,10 @@ class Engine:
             self._free_slot(slot)
             request._end("cancelled")
 
+    def queued(self) -> int:
+        """Requests of this process waiting for a slot (groups of `share`, one each)."""
+        return len(self._queue)
+
     def busy(self) -> bool:
         """Requests wait or decode in this process."""
         return bool(self._queue or self._continuations or self._active or self._prefilling)
@@ -236,6 +251,7 @@ class Engine:
         the next prompt piece (`_extend`, after the chunk, so a request admitted now gets its
         chunk before a piece delays it); whether any process has work left (every process
         calls it the same number of times)."""
+        chunk_begins()
         if self.feed is not None:
             self.feed()
         self._drop_cancelled()

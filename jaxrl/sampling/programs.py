@@ -33,7 +33,8 @@ the shapes):
             log-probs and which were emitted [S, N]. With `Numerics.fixed_chunk` (GPU, TPU)
             the chunk is N steps, always: a slot that is not live changes nothing and emits
             nothing, so no step waits on the host to learn whether to go on; otherwise (CPU)
-            it stops early once no slot is live.
+            it stops early once no slot is live, or after a step once the host has asked it
+            to (`jaxrl.backends.numerics.interrupt_chunks`: a cancel or a new request).
   extend    continue R slots: conversations held in their slots (jaxrl/sampling/requests.py)
             and prompts prefilled in pieces. Rewind each such slot's cache to its kept tokens,
             append up to A tokens [R, A] there in one pass over those R rows alone (the other
@@ -327,8 +328,11 @@ def generate(state: Slots, params: Params, lora: Lora | AdapterSet | None, *, sp
                   emitted=jnp.zeros((s, steps), bool),
                   top_ids=jnp.zeros((s, steps, k), jnp.int32),
                   top_logprobs=jnp.zeros((s, steps, k), jnp.float32))
-    _, state, out = jax.lax.while_loop(lambda c: (c[0] < steps) & jnp.any(c[1].live), body,
-                                       (jnp.zeros((), jnp.int32), state, empty))
+    def more(c):  # steps left, a live slot, and (after the first) the host has not asked
+        return ((c[0] < steps) & jnp.any(c[1].live)
+                & ((c[0] == 0) | ~numerics.chunk_interrupted()))
+
+    _, state, out = jax.lax.while_loop(more, body, (jnp.zeros((), jnp.int32), state, empty))
     return state, out
 
 

@@ -176,6 +176,7 @@ class Scheduler:
             self._waiting.append((index, list(jobs)))
             self._changed()
             self._cond.notify()
+        Engine.interrupt()  # admitted after the step in flight, not after its chunk
 
     def _queued(self, sizes: Sequence[int]) -> int:
         """How many of the waiting requests (their job counts, in order) the next admission
