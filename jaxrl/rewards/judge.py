@@ -5,7 +5,8 @@ or (judge.local) decoded in the training process's own engine (jaxrl/rewards/loc
 rewards turn a failure into their default score (0) and count it. Requests use temperature
 `judge.temperature` (0), `judge.max_tokens` and a per-request timeout; at most
 `judge.concurrency` are in flight; with `judge.response_format: json_object` a server judge is
-asked for a JSON object (response_format, part of the cached request). Timeouts, connection
+asked for a JSON object (response_format, part of the cached request) and a local one decodes
+under that grammar. Timeouts, connection
 errors, 408/409/429 and 5xx are retried up to `judge.max_retries` times after exponential
 backoff with jitter (`judge.backoff_s` doubling, capped at `judge.max_backoff_s`), waiting at
 least as long as a Retry-After header asks (within the same cap). Other 4xx and unreadable
@@ -164,7 +165,7 @@ class Judge:
         self._bind()
         body = {"messages": messages, "temperature": self.cfg.temperature,
                 "max_tokens": self.cfg.max_tokens}
-        if self.cfg.response_format and self._local is None:  # a local judge decodes freely
+        if self.cfg.response_format:  # a local judge decodes under the grammar's masks
             body["response_format"] = {"type": self.cfg.response_format}
         key = request_hash(body)
         if self._cache is not None and (text := self._cache.get(self.cfg.model, key)) is not None:

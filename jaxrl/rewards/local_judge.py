@@ -148,6 +148,7 @@ class JudgeService:
                              capacity=lay.policy_capacity, chunk=REFILL_CHUNK, lora=engine_lora,
                              shardings=rules)
         self.tokenizer, self.eos_ids = tokenizer, tuple(eos_ids)
+        self._structured = None  # judge.response_format's grammars, built on first use
         if lay.shared:
             self.judge = self.policy
             if kind == "base":
@@ -251,7 +252,21 @@ class JudgeService:
             self.judge.submit(Request(ids, Decoding(self.cfg.judge.temperature),
                                       min(ask.max_tokens, room),
                                       adapter=self.judge_adapter,
-                                      on_done=lambda r, ask=ask: self._done(r, ask)))
+                                      on_done=lambda r, ask=ask: self._done(r, ask),
+                                      constraint=self._constraint()))
+
+    def _constraint(self):
+        """judge.response_format json_object: the reply's grammar (`Request.constraint`, any
+        JSON object, jaxrl/serve/structured.py; the engine then decodes a token a step while
+        a judge reply is constrained), else None."""
+        if not self.cfg.judge.response_format:
+            return None
+        if self._structured is None:
+            from jaxrl.serve.structured import Structured
+
+            self._structured = Structured(self.tokenizer, self.eos_ids)
+        body = {"response_format": {"type": self.cfg.judge.response_format}}
+        return self._structured.constraints(body, 1)[0]
 
     def _prompt_ids(self, messages: list[dict]) -> list[int]:
         from jaxrl.hf.tokenizer import chat_prompt_text, text_ids

@@ -141,3 +141,26 @@ def test_a_second_model_judges_in_an_engine_of_its_own(chat_model, tiny_chat, tm
     request = alone.submit(Request(ids, Decoding(0.0), 6))
     alone.run()
     assert text == tokenizer.decode(request.tokens, skip_special_tokens=True)
+
+
+def test_a_json_object_judge_replies_with_json(chat_model, tmp_path):
+    """judge.response_format json_object: the local judge's reply decodes under the grammar,
+    so even a random model's reply opens a JSON object (cut by judge.max_tokens, it may not
+    close), where the free reply does not."""
+    spec, params, tokenizer, eos, lora = chat_model
+    cfg = _cfg(tmp_path, "judge.response_format=json_object", "judge.max_tokens=12")
+    with JudgeService(cfg, spec, params, tokenizer, eos, lora, rows=4, log=lambda m: None) as s:
+        asker = _Asker(Judge(cfg.judge, tmp_path))
+        reply = asker.ask(ASK)
+        s.wait(reply.done)
+        text = reply.result(timeout=5).text
+        asker.close()
+    assert text.startswith("{"), text
+    free = _cfg(tmp_path / "free", "judge.max_tokens=12")
+    with JudgeService(free, spec, params, tokenizer, eos, lora, rows=4,
+                      log=lambda m: None) as s:
+        asker = _Asker(Judge(free.judge, tmp_path / "free"))
+        reply = asker.ask(ASK)
+        s.wait(reply.done)
+        assert not reply.result(timeout=5).text.startswith("{")
+        asker.close()
