@@ -23,8 +23,8 @@ scenario runs once untimed first (compiles), then timed.
 `--cases hangup,stop,prefill` times instead how soon a short request is served after slots
 should have been freed, for this checkout's server (`continuous`) and for the continuous server
 of an older commit (`base`, `--base`, default 23854b7: before cancelling and chunked prefill),
-each with `--slots 16 --max-model-len 2048` (and this checkout's default `--prefill-chunk 512`
-where the server knows the flag); non-streaming greedy chats, latency = the whole request:
+each with `--slots 16 --max-model-len 2048` (and `--prefill-chunk N` where given and the
+server knows the flag; else its own default); non-streaming greedy chats, latency = the whole request:
   idle     a 4-token chat (and a 2-token chat) alone, median of --repeats
   hangup   16 streaming chats (a story, max_tokens 512) whose clients close after 3 events,
            then the 4-token chat
@@ -76,8 +76,8 @@ def _args():
                         help="comma-separated of hangup, stop, prefill (module docstring)")
     parser.add_argument("--base", default=BASE, metavar="COMMIT",
                         help=f"the `base` server's commit (default {BASE})")
-    parser.add_argument("--prefill-chunk", type=int, default=512,
-                        help="passed to servers that know the flag (default 512)")
+    parser.add_argument("--prefill-chunk", type=int, default=None,
+                        help="passed to servers that know the flag (default: the server's)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--base-repeats", type=int, default=None,
                         help="repeats for the base server (default --repeats): its hang-up and "
@@ -315,7 +315,8 @@ def _cases(kind, args, old_dir, long_messages):
     import openai
 
     tree = _tree(kind, old_dir)
-    extra = ["--prefill-chunk", str(args.prefill_chunk)] if _knows(tree, "--prefill-chunk") \
+    extra = ["--prefill-chunk", str(args.prefill_chunk)] if (
+        args.prefill_chunk is not None and _knows(tree, "--prefill-chunk")) \
         else []
     warms = _knows(tree, "--no-warmup")
     started = time.perf_counter()

@@ -108,6 +108,10 @@ class Numerics:
     dequantize_auto: str = "per_layer"  # quant.dequantize: auto -> once | per_layer
     attention: str = "xla"  # decode attention (ATTENTION_FORMS)
     fixed_chunk: bool = False  # a decode chunk: fixed trip count over live masks, no conds
+    # a served prompt's prefill piece in tokens (`jaxrl serve --prefill-chunk` by default): a
+    # piece in flight delays the running requests' next step by its time, which on the CPU is
+    # about a decode step's at 128 tokens (docs/benchmarks.md, "Freeing slots")
+    prefill_piece: int = 512
     interpret: bool = False  # Pallas kernels in interpret mode (the GPU choice on a CPU host)
 
     def __post_init__(self):
@@ -319,7 +323,8 @@ def numerics_for(platform: str, devices: int = 1) -> Numerics:
     if platform == "cpu":
         return Numerics(name="cpu", cpu_products=True, hold_bits=True, float32_cache=True,
                         vocab_major_head=devices == 1, float32_saves=True, gather_bits=True,
-                        decode_options=_CPU_DECODE_OPTIONS, dequantize_auto="once")
+                        decode_options=_CPU_DECODE_OPTIONS, dequantize_auto="once",
+                        prefill_piece=128)
     if platform == "gpu":
         # calls with many tokens: the split NF4 form, two elementwise-decoded half kernels that
         # XLA:GPU can fuse into their matmuls, where the block form's stacked levels and

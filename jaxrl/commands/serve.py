@@ -55,9 +55,10 @@ def register(sub) -> None:
                        "model's context); every decode step reads this many cache columns")
     serve.add_argument("--chunk", type=int, metavar="N", default=8,
                        help="decode steps between admissions of waiting requests (default 8)")
-    serve.add_argument("--prefill-chunk", type=int, metavar="N", default=512,
+    serve.add_argument("--prefill-chunk", type=int, metavar="N", default=None,
                        help="prefill a longer prompt N tokens a step, between decode steps, so "
-                       "running requests keep their pace (default 512; 0: whole prompts)")
+                       "running requests keep their pace (default: 512 on GPUs and TPUs, 128 "
+                       "on the CPU, where a piece takes longer; 0: whole prompts)")
     serve.add_argument("--no-warmup", action="store_true",
                        help="skip compiling the programs at start (/health says warming until "
                        "they are compiled; without it the first requests compile them)")
@@ -94,7 +95,7 @@ def _options(args) -> dict:
     for flag in ("slots", "chunk", "max_queue", "default_max_tokens"):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 1; got {getattr(args, flag)}")
-    if args.prefill_chunk < 0:
+    if args.prefill_chunk is not None and args.prefill_chunk < 0:
         raise UsageError(f"--prefill-chunk must be >= 0; got {args.prefill_chunk}")
     if args.max_model_len < 2:
         raise UsageError(f"--max-model-len must be >= 2; got {args.max_model_len}")

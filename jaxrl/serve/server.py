@@ -43,7 +43,7 @@ class ServeOptions:
     body_timeout_s: float = 30.0  # a request body must arrive within this
     workers: int = 2  # threads that parse, render and tokenize prompts
     # a longer prompt is prefilled this many tokens a step, between decode steps (0: whole)
-    prefill_chunk: int = 512
+    prefill_chunk: int | None = None  # None: the backend's (`Numerics.prefill_piece`)
     warmup: bool = False  # compile the programs before /health says ok (module docstring)
 
 
@@ -142,7 +142,9 @@ def start_server(model: Pretrained, host: str = "127.0.0.1", port: int = 8000, *
     scheduler = Scheduler(
         lambda: Engine(model.params, model.spec, eos_ids=model.eos_ids, slots=opts.slots,
                        capacity=context, chunk=opts.chunk,
-                       prefill_chunk=min(opts.prefill_chunk, context - 1)),
+                       prefill_chunk=min(numerics_of(None).prefill_piece
+                                         if opts.prefill_chunk is None else opts.prefill_chunk,
+                                         context - 1)),
         models, opts.max_queue, on_change=metrics.engine,
         scorer=PromptScorer(model.params, model.spec, numerics_of(None)),
         warmup=warm if opts.warmup else None)
