@@ -2,7 +2,8 @@
 
 A checkpoint of step t (t updates applied) holds what the run needs to go on exactly as if it had
 not stopped: the train state (LoRA, optimizer state, counters), the PRNG key, the data iterator's
-position and, with `rewards.max_staleness: 1`, the pending rollout of step t+1 (as
+position, with `sampling.partial` the groups pulled and not yet trained (jaxrl/rl/partial.py)
+and, with `rewards.max_staleness: 1`, the pending rollout of step t+1 (as
 jaxrl/rl/rollout.py packs it), which was sampled with the adapter from before update t while
 step t was scored (sampling it again after a resume would need that older adapter). Base weights
 are not saved; the checkpoint names its base (its path and a sha256 of its config.json and
@@ -165,6 +166,7 @@ class Restored:
     state: Any  # the train state, on the devices of the template it was restored into
     key: jax.Array
     pending: Pending | None  # as `after_step` was given it
+    carry: dict[str, Any] | None = None  # partial rollouts' state (JSON), as given
 
 
 def _check_meta(meta: dict[str, Any], cfg: Config, base: dict[str, str], where: Path) -> None:
@@ -308,7 +310,7 @@ class Checkpoints:
             pending = _local_pending({k.removeprefix("pending/"): v for k, v in flat.items()
                                       if k.startswith("pending/")}, meta["pending"], self.rows)
         self.log(f"resuming from {where} (step {step})")
-        return Restored(step, state, jnp.asarray(flat["key"]), pending)
+        return Restored(step, state, jnp.asarray(flat["key"]), pending, meta.get("carry"))
 
     def _set_aside_all(self, steps: list[tuple[int, str]]) -> None:
         """`_set_aside` each (step, why), by process 0 once every process has read."""
@@ -322,13 +324,15 @@ class Checkpoints:
             multihost_utils.sync_global_devices("jaxrl checkpoints set aside")
 
     def after_step(self, step: int, state, key: jax.Array, data,
-                   pending: Pending | None = None) -> None:
+                   pending: Pending | None = None,
+                   carry: Callable[[], dict[str, Any]] | None = None) -> bool:
         """Save checkpoint `step` when `checkpoint.every` says so (and at the last step), with
-        `pending` (e.g. the rollout already sampled for the next step), and export its
-        adapter."""
+        `pending` (e.g. the rollout already sampled for the next step) and carry() (JSON:
+        partial rollouts' groups, jaxrl/rl/partial.py; one process), and export its adapter;
+        whether it saved."""
         every = self.every
         if not every or (step % every and step != self.cfg.run.steps):
-            return
+            return False
         # the arrays themselves: orbax copies each process's shards to the host before `save`
         # returns, before the next step reuses the donated buffers
         arrays = {**{f"train/{k}": v for k, v in flat_leaves(state).items()},
@@ -340,11 +344,14 @@ class Checkpoints:
         meta = {"format": FORMAT, "step": step, "base": self.base, "fixed": _fixed(self.cfg),
                 "data": distributed.gather_json(data.get_state()), "pending": info,
                 "config": to_dict(self.cfg)}
+        if carry is not None:
+            meta["carry"] = carry()
         if self._manager is None:
             self._manager = _manager(self.dir, self.cfg.checkpoint.keep)
         self._manager.save(step, args=ocp.args.Composite(
             arrays=ocp.args.StandardSave(_nest(arrays)), meta=ocp.args.JsonSave(meta)))
         self._export(step, state.lora)
+        return True
 
     def _export(self, step: int, lora: Lora) -> None:
         """Export `lora` (on the devices) as the run's adapter: gathered on every process,

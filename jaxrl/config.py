@@ -126,6 +126,12 @@ class SamplingConfig(_Group):
     max_new_tokens: int = _setting(128, ge=1)
     stop: _STRS = ()
     slots: int = _setting(0, ge=0)  # decode slots; 0 = one per row (fewer: refilled by groups)
+    # partial rollouts (jaxrl/rl/partial.py): a rollout ends once a step's groups have
+    # finished; freed slots have taken the next prompts, unfinished rows go on next step
+    partial: bool = False
+    max_carry: int = _setting(1, ge=1)  # rollouts a row may be carried into
+    # a row past max_carry: finish (cut at its length) or drop (with its group)
+    carry_overflow: str = _setting("finish", choices=("finish", "drop"))
 
 
 @dataclass(frozen=True)
@@ -163,6 +169,11 @@ class GrpoConfig(_Group):
     kl_ratio_weighted: bool = False  # k3 times the importance ratio (TRL's bias-corrected KL)
     delta: float = _setting(0.0, ge=0)  # two-sided clip: ratio <= delta when A < 0; 0 = off
     top_entropy_quantile: float = _setting(1.0, ge=0, le=1)  # policy loss on top-entropy tokens
+    # truncated importance sampling, 0 = off; > 0: the sampler/learner mismatch correction of
+    # verl and TRL: each token's policy term is weighted by min(pi_prox / pi_sampler, tis_cap)
+    # (detached), pi_prox being the adapter at the update's start, and the clipped ratio is
+    # taken against pi_prox instead of the sampler's log-probs (needs num_iterations 1)
+    tis_cap: float = _setting(0.0, ge=0)
     mask_truncated: bool = False  # rows cut at max_new_tokens leave the loss
     dynamic_sampling: bool = False  # sample more prompts until every group has reward spread
     max_sampling_rounds: int = _setting(3, ge=1)  # rollouts per step at most, the first included
@@ -243,7 +254,8 @@ class JudgeConfig(_Group):
     temperature: float = _setting(0.0, ge=0)
     max_tokens: int = _setting(2048, ge=1)
     # json_object: a server judge is sent response_format {"type": "json_object"} (replies are
-    # JSON objects where it supports that, as jaxrl serve and vLLM do); a local judge ignores it
+    # JSON objects where it supports that, as jaxrl serve and vLLM do); a local judge decodes
+    # its replies under that grammar's token masks
     response_format: str = _setting("", choices=("", "json_object"))
     backoff_s: float = _setting(1.0, gt=0)  # first retry delay; doubles, with jitter
     max_backoff_s: float = _setting(30.0, gt=0)  # cap on one delay, Retry-After included
@@ -398,6 +410,13 @@ def _check_grpo(grpo: GrpoConfig) -> None:
         raise ConfigError("grpo.loss=cispo normalizes by the batch's token count, as MiniMax-M1 "
                           "does: set config key 'grpo.loss_agg' to token-mean; got "
                           f"{grpo.loss_agg!r}")
+    if grpo.tis_cap and grpo.num_iterations != 1:
+        raise ConfigError(f"config key 'grpo.tis_cap' ({grpo.tis_cap}) needs "
+                          f"'grpo.num_iterations' = 1; got {grpo.num_iterations}: its proximal "
+                          "policy is the adapter at the update's start, which with one iteration "
+                          "is the one being updated (the loss's own log-probs, detached); "
+                          "several iterations would need a pass of their own to score it. Set "
+                          "grpo.num_iterations=1 or grpo.tis_cap=0")
 
 
 def _check_env(cfg: Config) -> None:
@@ -421,6 +440,25 @@ def _check_judge(judge: JudgeConfig) -> None:
                           f"{judge.local!r}")
 
 
+def _check_partial(cfg: Config) -> None:
+    """What sampling.partial does not combine with, and why."""
+    if not cfg.sampling.partial:
+        return
+    refused = {
+        "data.env": (cfg.data.env, "an episode alternates the policy's replies with its "
+                     "environment's on the host, which a carried row would have to resume"),
+        "grpo.dynamic_sampling": (cfg.grpo.dynamic_sampling, "its extra rounds sample whole "
+                                  "groups outside the carried rows; use one or the other"),
+        "judge.local": (cfg.judge.local, "the local judge decodes in the rollout's engine, "
+                        "which partial rollouts keep to themselves; serve the judge "
+                        "(judge.base_url) instead"),
+    }
+    for key, (value, why) in refused.items():
+        if value:
+            raise ConfigError(f"config key 'sampling.partial' does not combine with {key} "
+                              f"({value!r}): {why}")
+
+
 def _check_cross(cfg: Config) -> None:
     if not cfg.model.path.strip():
         raise ConfigError("config key 'model.path' is empty: this config needs a base model; "
@@ -434,6 +472,7 @@ def _check_cross(cfg: Config) -> None:
     _check_grpo(cfg.grpo)
     _check_env(cfg)
     _check_judge(cfg.judge)
+    _check_partial(cfg)
     if cfg.checkpoint.keep_best and not (cfg.checkpoint.keep_best.startswith("eval/")
                                          and cfg.eval.every):
         raise ConfigError(f"config key 'checkpoint.keep_best' ({cfg.checkpoint.keep_best!r}) "

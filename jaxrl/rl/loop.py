@@ -14,6 +14,11 @@ are sampled and scored until the step holds groups with reward spread (jaxrl/rl/
 with grpo.mask_truncated the rows cut at max_new_tokens count in their group's advantages but
 leave the loss.
 
+With sampling.partial one decode engine is kept across steps (jaxrl/rl/partial.py): a
+rollout ends once a step's groups have finished, the slots they freed already decoding the next
+prompts, and unfinished rows go on under the next adapter; the loss's ratio is against each
+token's recorded log-prob, and the batch marks the tokens carried in from earlier rollouts.
+
 Timings: a step's row reports what its wall time (time/step, from the previous row to this one)
 went to, so its phases add up to it less the untimed host work (data, prompts, logging).
 time/rollout and time/reference are the sampling and reference passes run within it: with
@@ -69,7 +74,11 @@ def make_batch(rollout: Rollout, advantages: np.ndarray, keep: np.ndarray,
     # the policy's tokens
     rows = to_device((tokens, positions, mask, completion_mask,
                       rollout.out.logprobs[:, :width], advantages))
-    return Batch(*rows, ref_logp=rollout.ref_logp, share=share)
+    carried = None  # partial rollouts: the tokens decoded before this rollout began
+    if rollout.out.versions is not None:
+        carried = to_device((rollout.out.versions[:, :width] >= 0)
+                            & (rollout.out.versions[:, :width] < rollout.version))
+    return Batch(*rows, ref_logp=rollout.ref_logp, share=share, carried=carried)
 
 
 class _Phases:
@@ -114,6 +123,23 @@ def _sample_rollout(s: Session, step: int, key: jax.Array, phases: _Phases) -> R
     return Rollout(step, records, prompts, out)
 
 
+def _partial_rollout(s: Session, step: int, phases: _Phases) -> Rollout:
+    """Step `step`'s rollout with sampling.partial (jaxrl/rl/partial.py): the groups that
+    finish first in the engine kept across steps, under the adapter as it is now, whose
+    version is the updates it has taken (the rollout of step t runs after update t - 1, or
+    with max_staleness 1 beside the scoring of step t - 1, before that update)."""
+    def pull():
+        records = next(s.data)[s.prompts]
+        return [(r, prompt, s.prompt_ids(prompt)) for r in records
+                for prompt in [s.render(r)]]
+
+    version = max(step - s.cfg.rewards.max_staleness, 0)
+    with phases.timing("time/rollout"):  # it returns host rows: it has finished
+        ready, metrics = s.partial.rollout(step, version, s.state.lora, pull)
+    records, prompts, out = s.partial.output(ready)
+    return Rollout(step, records, prompts, out, version=version, metrics=metrics)
+
+
 def _rollouts(s: Session, phases: _Phases) -> Iterator[Rollout]:
     """Each pull runs one rollout (a resumed run first yields the rollout its checkpoint
     saved)."""
@@ -121,7 +147,10 @@ def _rollouts(s: Session, phases: _Phases) -> Iterator[Rollout]:
     if resumed:
         yield s.pending
     for step in range(s.start_step + resumed, s.cfg.run.steps):
-        yield _sample_rollout(s, step, jax.random.fold_in(s.key, step), phases)
+        if s.partial is not None:
+            yield _partial_rollout(s, step, phases)
+        else:
+            yield _sample_rollout(s, step, jax.random.fold_in(s.key, step), phases)
 
 
 def _reference(s: Session, phases: _Phases) -> Callable[[Rollout], None]:
@@ -205,7 +234,7 @@ def _step_metrics(s: Session, rollout: Rollout, scored, adv, update: dict, secon
                **{k.replace("rewards/", "reward/", 1): v for k, v in scored.metrics.items()
                   if k != "rewards/mean"},
                **{f"grpo/{k}": float(v) for k, v in adv.metrics.items()}, **extra,
-               **_rollout_metrics(rollout),
+               **_rollout_metrics(rollout), **rollout.metrics,
                **{("loss/" + k if k in ("kl", "kl_weighted", "loss") else "train/" + k): float(v)
                   for k, v in update.items()},
                "train/lr": float(s.schedule(int(s.state.step))), **seconds}
@@ -279,8 +308,12 @@ def train(cfg: Config, log: Callable[[str], None] = print) -> Path:
                 if every and (rollout.step + 1) % every == 0:
                     runlog.log_samples(rollout.step + 1, distributed.gather_row_lists(
                         _sample_rows(rollout, scored), s.row_range[0]))
-                s.checkpoints.after_step(rollout.step + 1, s.state, s.key, s.data,
-                                         None if ahead is None else pack_rollout(ahead))
+                carry = None if s.partial is None else s.partial.pack
+                if s.checkpoints.after_step(rollout.step + 1, s.state, s.key, s.data,
+                                            None if ahead is None else pack_rollout(ahead),
+                                            carry) and carry is not None:
+                    # go on as a run resumed from this checkpoint would (jaxrl/rl/partial.py)
+                    s.partial.restart(carry(), s.state.lora)
                 s.progress(rollout.step + 1, metrics)
             s.checkpoints.finish(cfg.run.steps, s.state)
         finally:

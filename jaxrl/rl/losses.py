@@ -64,6 +64,19 @@ top_entropy_quantile rho < 1 ("Beyond the 80/20 rule"): the policy term (not the
   are not renormalized: unselected tokens still count in the aggregation's denominators, as
   in TRL. "The batch" is the whole step's batch: with micro-batches, train_step.py selects
   the tokens before splitting it (TRL takes the quantile per micro-batch).
+
+tis_cap c > 0 (truncated importance sampling, as verl's and TRL's correction of the mismatch
+  between sampler and learner): the proximal policy pi_prox is the adapter at the update's
+  start, prox = stop_gradient(logp) (the config requires num_iterations 1, so that adapter is
+  the one being updated). The clipped ratio is taken against it, r = exp(logp - prox) (1 in
+  value, d r / d logp = 1; with sequence, the row's ratio against prox), and each token's
+  policy term (grpo's surrogate or cispo's, not the KL term) is weighted by
+    w_t = stop_gradient(min(exp(prox_t - logp_old_t), c)),
+  the sampler's share of the learner/sampler mismatch, truncated at c. With
+  seq-mean-token-mean and r inside the clip range, d loss / d logp_t = -w_t * A / (len * rows).
+  The KL term (kl_ratio_weighted included) keeps its form with the ratio against pi_prox, and
+  the ratio metrics (ratio_mean, clip_frac*) describe that ratio. Tokens decoded by an older
+  adapter (partial rollouts) are where the weights move away from 1.
 """
 from __future__ import annotations
 
@@ -169,6 +182,25 @@ def _clipped(ratio: jax.Array, a: jax.Array, cfg: GrpoConfig):
     return low & (a < 0), high & (a > 0)
 
 
+def tis_weights(prox: jax.Array, logp_old: jax.Array, valid: jax.Array, cap: float):
+    """([B, T] truncated importance weights min(exp(prox - logp_old), cap) at valid tokens, 0
+    elsewhere; [B, T] bool: valid tokens whose weight the cap cut), both without gradient."""
+    prox, logp_old = jax.lax.stop_gradient(prox), jax.lax.stop_gradient(logp_old)
+    ratio = jnp.exp(jnp.where(valid, prox - logp_old, 0.0))  # where() first: pads hold junk
+    return jnp.where(valid, jnp.minimum(ratio, cap), 0.0), valid & (ratio > cap)
+
+
+def carried_metrics(logp: jax.Array, logp_old: jax.Array, valid: jax.Array,
+                    carried: jax.Array) -> dict:
+    """Counts over the valid tokens marked carried (decoded under an older adapter): their
+    number, the sum and the max of their learner/sampler ratio exp(logp - logp_old) (max 0 when
+    there are none); sums and a max, not means, so that micro-batches combine them exactly."""
+    on = valid & carried.astype(bool)
+    ratio = jnp.where(on, jnp.exp(jnp.where(on, logp - logp_old, 0.0)), 0.0)
+    return {"carried_tokens": on.sum().astype(jnp.float32), "carried_ratio_sum": ratio.sum(),
+            "carried_ratio_max": ratio.max(initial=0.0)}
+
+
 def _ratio_metrics(log_ratio, logp, logp_old, a, valid, cfg: GrpoConfig) -> dict:
     ratio = jnp.exp(log_ratio)
     low, high = _clipped(ratio, a, cfg)
@@ -189,7 +221,8 @@ def _ratio_metrics(log_ratio, logp, logp_old, a, valid, cfg: GrpoConfig) -> dict
 def grpo_loss(logp: jax.Array, logp_old: jax.Array, advantages: jax.Array, mask: jax.Array,
               cfg: GrpoConfig, *, ref_logp: jax.Array | None = None,
               max_new_tokens: int | None = None, weights: jax.Array | None = None,
-              entropy: jax.Array | None = None, selected: jax.Array | None = None):
+              entropy: jax.Array | None = None, selected: jax.Array | None = None,
+              carried: jax.Array | None = None):
     """(loss scalar, metrics) for per-token log-probs [B, T], advantages [B], mask [B, T].
 
     cfg supplies beta, the epsilons, loss_agg and the variants of the module docstring.
@@ -204,7 +237,11 @@ def grpo_loss(logp: jax.Array, logp_old: jax.Array, advantages: jax.Array, mask:
     either (TRL's clip_ratio/low_mean, high_mean, region_mean); seq_clip_frac (sequence
     ratios), the rows whose ratio was clipped; delta_clip_frac (delta), tokens with A < 0 and
     r > delta; entropy_selected_frac (top_entropy_quantile < 1); kl, the mean k3, and
-    kl_weighted, the mean r * k3 (kl_ratio_weighted), when beta > 0.
+    kl_weighted, the mean r * k3 (kl_ratio_weighted), when beta > 0; tis_weight_mean, the mean
+    truncated importance weight, and tis_capped_frac, the tokens whose weight the cap cut
+    (tis_cap > 0). carried [B, T] bool marks tokens decoded under an adapter older than the one
+    this update starts from; given, it adds the counts carried_tokens (valid and carried),
+    carried_ratio_sum and carried_ratio_max (sum and max over them of exp(logp - logp_old)).
     """
     if cfg.beta > 0 and ref_logp is None:
         raise ValueError(f"grpo.beta = {cfg.beta} > 0 needs ref_logp (the reference policy's "
@@ -212,10 +249,19 @@ def grpo_loss(logp: jax.Array, logp_old: jax.Array, advantages: jax.Array, mask:
     valid = mask.astype(bool)
     if weights is None:
         weights = token_weights(valid, cfg.loss_agg, max_new_tokens)  # [B, T]
-    log_ratio = importance_log_ratio(logp, logp_old, valid, cfg.importance_sampling)  # [B, T]
+    # the ratio's denominator: the sampler's log-probs, or with tis_cap the proximal policy's
+    old = jax.lax.stop_gradient(logp) if cfg.tis_cap > 0 else logp_old
+    log_ratio = importance_log_ratio(logp, old, valid, cfg.importance_sampling)  # [B, T]
     a = jax.lax.stop_gradient(advantages).astype(jnp.float32)[:, None]  # [B, 1]
     per_token = policy_term(log_ratio, logp, a, valid, cfg)  # [B, T]
-    metrics = _ratio_metrics(log_ratio, logp, logp_old, a, valid, cfg)
+    metrics = _ratio_metrics(log_ratio, logp, old, a, valid, cfg)
+    if cfg.tis_cap > 0:
+        w, capped = tis_weights(old, logp_old, valid, cfg.tis_cap)
+        per_token = per_token * w
+        metrics["tis_weight_mean"] = masked_mean(w, valid)
+        metrics["tis_capped_frac"] = masked_mean(capped, valid)
+    if carried is not None:
+        metrics.update(carried_metrics(logp, logp_old, valid, carried))
     if cfg.top_entropy_quantile < 1.0:
         if selected is None:
             if entropy is None:

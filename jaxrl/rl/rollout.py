@@ -15,7 +15,7 @@ from jaxrl.sampling.buckets import bucket, quarter_bucket
 from jaxrl.sampling.sampler import SampleOutput
 
 _OUT_ARRAYS = ("prompt_tokens", "prompt_mask", "tokens", "mask", "logprobs")
-_OPTIONAL = ("policy_mask",)  # multi-turn rollouts only
+_OPTIONAL = ("policy_mask", "versions")  # multi-turn rollouts; partial rollouts
 
 
 @dataclasses.dataclass
@@ -28,6 +28,10 @@ class Rollout:
     prompts: list[str]  # [B] rendered chat prompts
     out: SampleOutput
     ref_logp: jax.Array | None = None  # [B, columns[1]]
+    # partial rollouts (jaxrl/rl/partial.py): the adapter version this rollout decoded with
+    # (tokens of older ones were carried in) and its partial/* metrics
+    version: int | None = None
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
     _shares: dict[int, int] = dataclasses.field(  # limit -> `share`; a replaced copy starts
         default_factory=dict, init=False, repr=False, compare=False)  # empty
 
@@ -81,7 +85,8 @@ def pack_rollout(rollout: Rollout) -> tuple[dict[str, np.ndarray], dict[str, Any
         arrays["ref_logp"] = distributed.rows_to_local(rollout.ref_logp)
     info = {"step": rollout.step, "records": rollout.records, "prompts": rollout.prompts,
             "finish_reasons": list(out.finish_reasons),
-            "texts": None if out.texts is None else list(out.texts)}
+            "texts": None if out.texts is None else list(out.texts),
+            "version": rollout.version, "metrics": rollout.metrics}
     return arrays, info
 
 
@@ -92,7 +97,8 @@ def unpack_rollout(arrays: dict[str, np.ndarray], info: dict[str, Any]) -> Rollo
                        **{name: arrays[name] for name in _OPTIONAL if name in arrays},
                        finish_reasons=tuple(info["finish_reasons"]),
                        texts=None if info["texts"] is None else tuple(info["texts"]))
-    return Rollout(info["step"], info["records"], info["prompts"], out, arrays.get("ref_logp"))
+    return Rollout(info["step"], info["records"], info["prompts"], out, arrays.get("ref_logp"),
+                   info.get("version"), info.get("metrics", {}))
 
 
 def take_groups(parts: list[Rollout], picks: list[tuple[int, int]], group: int) -> Rollout:

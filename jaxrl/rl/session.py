@@ -97,13 +97,14 @@ def make_trainer(cfg: Config, spec, params, rules, key: jax.Array):
 
 
 def _resume(checkpoints: Checkpoints, state, key: jax.Array, data):
-    """(train state, key, start step, pending Rollout or None): restored from the checkpoint
-    `checkpoint.resume` selects (moving `data` to its position), else as given."""
+    """(train state, key, start step, pending Rollout or None, partial rollouts' state or
+    None): restored from the checkpoint `checkpoint.resume` selects (moving `data` to its
+    position), else as given."""
     restored = checkpoints.restore(state, data)
     if restored is None:
-        return state, key, 0, None
+        return state, key, 0, None, None
     pending = None if restored.pending is None else unpack_rollout(*restored.pending)
-    return restored.state, restored.key, restored.step, pending
+    return restored.state, restored.key, restored.step, pending, restored.carry
 
 
 def _duration(seconds: float) -> str:
@@ -143,10 +144,11 @@ class Session:
         self.data = train_iterator(pool, cfg.data)
         self.checkpoints = Checkpoints(cfg, model.path, self.spec, log, rows=self.row_range)
         # pending: the Rollout sampled before the update of start_step, when resumed with it
-        self.state, self.key, self.start_step, self.pending = _resume(
+        self.state, self.key, self.start_step, self.pending, carry = _resume(
             self.checkpoints, self.state, self.key, self.data)
         if shardings is not None:
             self.state = place(self.state, shardings[0][0])
+        self.partial = self._partial(carry)  # None: sampling.partial is off
         if self.pending is not None and self.pending.ref_logp is not None:
             self.pending.ref_logp = self.to_device(self.pending.ref_logp)
         self.judge = self._local_judge()  # None: no judge, or one served elsewhere
@@ -157,6 +159,29 @@ class Session:
                 self.train_step.reserve(self.judge.resident_bytes())
         self._progress, self._task = _progress_bar(cfg, self.start_step)
         self._times: list[float] = []
+
+    def _partial(self, carry):
+        """The partial rollouts' engine (jaxrl/rl/partial.py) holding the checkpoint's groups
+        `carry`, or None without sampling.partial."""
+        cfg = self.cfg
+        if not cfg.sampling.partial:
+            return None
+        if jax.process_count() > 1:
+            raise ConfigError("config key 'sampling.partial' runs in one process: which groups "
+                              "have finished is not agreed across processes; set it to false")
+        from jaxrl.rl.partial import PARTIAL_STREAM, Partial
+
+        width = (cfg.data.max_prompt_tokens + len(self.prompt_ids(cfg.data.response_prefix))
+                 + 8)  # a prefix may tokenize a little apart from the prompt's end
+        partial = Partial(self.params, self.spec, cfg.sampling,
+                          groups=cfg.data.prompts_per_step,
+                          group_size=cfg.grpo.num_generations, prompt_width=width,
+                          key=jax.random.fold_in(self.key, PARTIAL_STREAM), eos_ids=self.eos_ids,
+                          detokenize=self.detokenize, lora=self.state.lora, shardings=self.rules,
+                          numerics=numerics_of(self.rules), slots=cfg.sampling.slots)
+        if carry is not None:
+            partial.restart(carry, self.state.lora)
+        return partial
 
     def _local_judge(self):
         """The engine the rollouts share with a judge.local judge (entered: judges built now

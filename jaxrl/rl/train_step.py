@@ -52,6 +52,9 @@ class Batch:
     logp_old: jax.Array  # [B, N] float32, the sampler's log-probs (pi_old)
     advantages: jax.Array  # [B] float32
     ref_logp: jax.Array | None = None  # [B, N] float32, None when beta == 0
+    # [B, N] bool, completion tokens decoded under an adapter older than the one this update
+    # starts from (partial rollouts); None: no token was (the step then reports no carried_*)
+    carried: jax.Array | None = None
     # blocks of `share` consecutive rows hold the same prompt columns, which the forward
     # passes then run once per block (`Rollout.share`); 1: every row alone. Static.
     share: int = struct.field(pytree_node=False, default=1)
@@ -125,7 +128,8 @@ def _loss(lora: Lora, params, spec: ModelSpec, mb: Batch, weights: jax.Array,
         shardings=opts.mesh, share=mb.share, numerics=opts.numerics)
     loss, metrics = grpo_loss(logp, mb.logp_old, mb.advantages, mb.completion_mask, opts.grpo,
                               ref_logp=mb.ref_logp, max_new_tokens=opts.max_new_tokens,
-                              weights=weights, entropy=entropy, selected=selected)
+                              weights=weights, entropy=entropy, selected=selected,
+                              carried=mb.carried)
     valid = mb.completion_mask.astype(jnp.float32)
     metrics["entropy_sum"] = jnp.sum(jax.lax.stop_gradient(entropy) * valid)
     metrics["tokens"] = valid.sum()
@@ -138,9 +142,15 @@ def _split(tree, m: int):
     return jax.tree_util.tree_map(lambda x: x.reshape(m, x.shape[0] // m, *x.shape[1:]), tree)
 
 
-def sum_over_micro_batches(fn, xs, micro_batches: int):
+def _add(acc, x):
+    return jax.tree_util.tree_map(jnp.add, acc, x)
+
+
+def sum_over_micro_batches(fn, xs, micro_batches: int, combine=_add):
     """fn(index, *xs) summed over the M micro-batches of xs (a tuple of pytrees of [B, ...]
-    leaves; None leaves are allowed), one at a time in a `lax.scan`; fn(0, *xs) when M is 1."""
+    leaves; None leaves are allowed), one at a time in a `lax.scan`; fn(0, *xs) when M is 1.
+    combine(acc, result) -> acc replaces the sum (leaf by leaf addition); acc starts as zeros,
+    so combine(zeros, result) must be result (a max of values >= 0, say)."""
     if micro_batches == 1:
         return fn(jnp.zeros((), jnp.int32), *xs)
     split = (jnp.arange(micro_batches), _split(xs, micro_batches))
@@ -149,17 +159,28 @@ def sum_over_micro_batches(fn, xs, micro_batches: int):
                                    jax.eval_shape(lambda i, x: fn(i, *x), *first))
 
     def body(acc, x):
-        return jax.tree_util.tree_map(jnp.add, acc, fn(x[0], *x[1])), None
+        return combine(acc, fn(x[0], *x[1])), None
     return jax.lax.scan(body, zeros, split)[0]
 
 
-_COUNTS = ("tokens", "rows", "entropy_sum")
+_COUNTS = ("tokens", "rows", "entropy_sum", "carried_tokens", "carried_ratio_sum")
+_MAXIMA = ("carried_ratio_max",)  # maxima over micro-batches (of values >= 0)
+
+
+def _combine_step(acc, x):
+    """((loss, metrics), grads) of micro-batches so far and of the next: sums, except the
+    metrics in _MAXIMA, which keep the larger."""
+    (loss, metrics), grads = _add(acc, x)
+    metrics.update({k: jnp.maximum(acc[0][1][k], x[0][1][k]) for k in _MAXIMA
+                    if k in metrics})
+    return (loss, metrics), grads
 
 
 def accumulate_grads(lora, params, spec, batch: Batch, weights, opts: StepOptions,
                      rng: jax.Array | None = None, selected: jax.Array | None = None):
     """Loss, gradient and metrics summed over micro-batches (each metric weighted by the
-    micro-batch's valid tokens, or its rows for ROW_METRICS); rng: the update's dropout key."""
+    micro-batch's valid tokens, or its rows for ROW_METRICS; the counts of _COUNTS summed, the
+    maxima of _MAXIMA the largest); rng: the update's dropout key."""
     grad_fn = jax.value_and_grad(_loss, has_aux=True)
     basis = lambda k: "rows" if k in ROW_METRICS else "tokens"  # noqa: E731
     if opts.micro_batches == 1:
@@ -168,12 +189,13 @@ def accumulate_grads(lora, params, spec, batch: Batch, weights, opts: StepOption
     def weighted(index, mb, w, sel):
         (loss, metrics), grads = grad_fn(lora, params, spec, mb, w, sel, opts,
                                          micro_key(rng, index))
-        metrics = {k: v if k in _COUNTS else v * metrics[basis(k)] for k, v in metrics.items()}
+        metrics = {k: v if k in _COUNTS + _MAXIMA else v * metrics[basis(k)]
+                   for k, v in metrics.items()}
         return (loss, metrics), grads
 
     (loss, metrics), grads = sum_over_micro_batches(weighted, (batch, weights, selected),
-                                                    opts.micro_batches)
-    metrics = {k: v if k in _COUNTS else v / jnp.maximum(metrics[basis(k)], 1.0)
+                                                    opts.micro_batches, _combine_step)
+    metrics = {k: v if k in _COUNTS + _MAXIMA else v / jnp.maximum(metrics[basis(k)], 1.0)
                for k, v in metrics.items()}
     return (loss, metrics), grads
 
@@ -243,6 +265,9 @@ def train_step(state: TrainState, params, batch: Batch, *, spec: ModelSpec,
     new_state, finite = apply_gradients(state, optimizer, loss, grads)
     metrics.pop("rows")
     entropy = metrics.pop("entropy_sum") / jnp.maximum(metrics.pop("tokens"), 1.0)
+    if batch.carried is not None:  # carried_tokens and carried_ratio_max stay as they are
+        metrics["carried_ratio_mean"] = metrics.pop("carried_ratio_sum") / jnp.maximum(
+            metrics["carried_tokens"], 1.0)
     return new_state, {"loss": loss, "grad_norm": optax.global_norm(grads), "entropy": entropy,
                        "skipped": (~finite).astype(jnp.int32), **metrics}
 

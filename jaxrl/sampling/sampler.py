@@ -59,6 +59,9 @@ class SampleOutput:
     # [B, max_new_tokens] bool: the tokens the policy sampled, where a multi-turn rollout
     # (jaxrl/rl/episodes.py) also holds environment tokens; None: every token in `mask`
     policy_mask: np.ndarray | None = None
+    # [B, max_new_tokens] int32: per token, the adapter version (updates it had taken) that
+    # decoded it, -1 where masked; partial rollouts only (jaxrl/rl/partial.py), else None
+    versions: np.ndarray | None = None
 
     @property
     def loss_mask(self) -> np.ndarray:
@@ -139,7 +142,7 @@ def sample(params: Params, spec: ModelSpec, prompts: Sequence[Sequence[int]], ke
     n = cfg.max_new_tokens
     if engine is not None:
         requests = _decode_in(engine, prompts, decoding, n, key, adapter, cfg.stop, detokenize)
-        return _output(requests, tokens, mask, n, eos_ids, cfg, detokenize)
+        return finished_output(requests, tokens, mask, n, eos_ids, cfg, detokenize)
     share = _runs_gcd(prompts)
     if shardings is not None:
         share = distributed.host_gcd(share)
@@ -154,7 +157,7 @@ def sample(params: Params, spec: ModelSpec, prompts: Sequence[Sequence[int]], ke
     for i in range(0, len(requests), share):
         engine.submit_group(requests[i:i + share])
     _run_to_stops(engine, requests, cfg.stop, detokenize)
-    return _output(requests, tokens, mask, n, eos_ids, cfg, detokenize)
+    return finished_output(requests, tokens, mask, n, eos_ids, cfg, detokenize)
 
 
 def _decode_in(engine: Engine, prompts, decoding: Decoding, n: int, key: jax.Array,
@@ -181,9 +184,10 @@ def _run_to_stops(engine: Engine, requests: list[Request], stop, detokenize,
             return
 
 
-def _output(requests: list[Request], tokens, mask, n: int, eos_ids, cfg: SamplingConfig,
-            detokenize) -> SampleOutput:
-    """The finished `requests` as padded host arrays beside their left-padded prompts."""
+def finished_output(requests: Sequence[Request], tokens, mask, n: int, eos_ids,
+                    cfg: SamplingConfig, detokenize) -> SampleOutput:
+    """The finished `requests` (anything with tokens, logprobs and a finish_reason) as padded
+    host arrays beside their left-padded prompts, cut at cfg's stop strings."""
     rows = len(requests)
     out = SampleOutput(prompt_tokens=tokens, prompt_mask=mask,
                        tokens=np.full((rows, n), eos_ids[0] if eos_ids else 0, np.int32),

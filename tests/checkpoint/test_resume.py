@@ -1,5 +1,7 @@
 """A `jaxrl train` run killed with SIGKILL during step K and resumed ends exactly as the same run
-uninterrupted: the same metrics for every step (timings aside) and the same final LoRA."""
+uninterrupted: the same metrics for every step (timings aside) and the same final LoRA; also
+with partial rollouts (sampling.partial), whose checkpoints hold the rows carried across
+steps."""
 import json
 import signal
 import subprocess
@@ -7,6 +9,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import yaml
 
 from jaxrl.checkpoint import checkpoint_steps, read_checkpoint
@@ -18,7 +21,7 @@ TIMING = ("time/", "tokens_per_s", "reward/time_s", "reward/wait_s", "reward/ove
           "reward/per_s")
 
 
-def _config(tmp_path: Path, model_dir: Path) -> Path:
+def _config(tmp_path: Path, model_dir: Path, partial: bool = False) -> Path:
     config = {
         "run": {"steps": STEPS, "seed": 3},
         "model": {"path": str(model_dir), "dtype": "float32"},
@@ -32,6 +35,8 @@ def _config(tmp_path: Path, model_dir: Path) -> Path:
         "logging": {"samples_every": 1},
         "checkpoint": {"every": 1, "keep": 2},
     }
+    if partial:  # slots for two steps' rows: the next step's begin at once and are carried
+        config["sampling"].update(partial=True, max_new_tokens=24, slots=8)
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
@@ -57,8 +62,10 @@ def _metrics(run_dir: Path) -> list[dict]:
     return [{k: v for k, v in row.items() if not k.startswith(TIMING)} for row in rows]
 
 
-def test_killed_and_resumed_run_matches_the_uninterrupted_run(tiny_chat, tmp_path, capsys):
-    config = _config(tmp_path, tiny_chat[0])
+@pytest.mark.parametrize("partial", [False, True])
+def test_killed_and_resumed_run_matches_the_uninterrupted_run(tiny_chat, tmp_path, capsys,
+                                                              partial):
+    config = _config(tmp_path, tiny_chat[0], partial)
     killed, whole = tmp_path / "killed", tmp_path / "whole"
     _kill_during_step(config, killed, KILL_IN)
     assert len(_metrics(killed)) < STEPS
@@ -77,6 +84,9 @@ def test_killed_and_resumed_run_matches_the_uninterrupted_run(tiny_chat, tmp_pat
     for name, value in whole_state.items():
         np.testing.assert_array_equal(resumed_state[name], value, err_msg=name)
     assert np.abs(whole_state["train/lora/weights/layers/q_proj/b"]).max() > 0  # it learned
+    if partial:  # rows were carried, and across the kill
+        assert sum(row["partial/carried_rows"] for row in _metrics(whole)) > 0
+        assert _metrics(killed)[KILL_IN - 1]["partial/carried_rows"] > 0
     adapter = "adapter/adapter_model.safetensors"
     assert (killed / adapter).read_bytes() == (whole / adapter).read_bytes()
 
