@@ -1,8 +1,8 @@
 """GRPO rollouts with and without partial rollouts (`sampling.partial`) on a long-tailed mix of
 completion lengths: slot utilization and useful tokens per second per step.
 
-Each step decodes --prompts groups of --group rows of a chat prompt with the model (default:
-the embedded SmolLM2-135M-Instruct, float32). Completion lengths are set, not left to EOS: each
+Each step decodes --prompts groups of --group rows, each group of its own arithmetic chat
+prompt, with the model (default: the embedded SmolLM2-135M-Instruct, float32). Completion lengths are set, not left to EOS: each
 row's budget is drawn from the mix and EOS is ignored, so both modes decode the same lengths.
   whole    the rollout as `jaxrl train` runs it without sampling.partial (`sample`'s engine:
            a slot per row, each rollout until its longest row has finished)
@@ -61,10 +61,11 @@ def _model(args):
     return load_pretrained(args.model, dtype="float32")
 
 
-def _prompt_ids(model):
+def _prompt_ids(model, n: int = 64) -> list[list[int]]:
+    """Chat prompts of n arithmetic records: group i takes prompt i % n in both modes."""
     from jaxrl.data.generators import generate
 
-    return model.chat_ids(generate("arithmetic", 1, seed=0)[0]["messages"])
+    return [model.chat_ids(r["messages"]) for r in generate("arithmetic", n, seed=1)]
 
 
 def measure_quickstart(args) -> list[int]:
@@ -105,7 +106,8 @@ def worker(args, mode: str, lengths: list[int], out: Path) -> None:
     from jaxrl.sampling.sampling_fns import Decoding
 
     model = _model(args)
-    ids = _prompt_ids(model)
+    prompts = _prompt_ids(model)
+    width = max(map(len, prompts))
     g, rows = args.group, args.prompts * args.group
     n = args.max_new_tokens
     cfg = SamplingConfig(temperature=1.0, max_new_tokens=n)
@@ -114,14 +116,17 @@ def worker(args, mode: str, lengths: list[int], out: Path) -> None:
     partial = None
     if mode == "partial":
         partial = Partial(model.params, model.spec, cfg, groups=args.prompts, group_size=g,
-                          prompt_width=len(ids), key=key, eos_ids=(),
+                          prompt_width=width, key=key, eos_ids=(),
                           **({} if args.chunk is None else {"chunk": args.chunk}))
         pulled = [0]
 
         def pull():
-            pulled[0] += 1
-            return [({}, "", ids, [next(drawn) for _ in range(g)])
-                    for _ in range(args.prompts)]
+            items = []
+            for _ in range(args.prompts):
+                items.append(({}, "", prompts[pulled[0] % len(prompts)],
+                              [next(drawn) for _ in range(g)]))
+                pulled[0] += 1
+            return items
     results = []
     for step in range(args.warmup + args.steps):
         start = time.perf_counter()
@@ -133,11 +138,13 @@ def worker(args, mode: str, lengths: list[int], out: Path) -> None:
             slots, engine = partial.slots, partial.engine
         else:  # as `sample` lays out a rollout: a slot per row, one chunk of the bucket
             engine = Engine(model.params, model.spec, eos_ids=(), slots=rows,
-                            capacity=bucket(len(ids)) + bucket(n), chunk=bucket(n))
+                            capacity=bucket(width) + bucket(n), chunk=bucket(n))
             before = (0, 0)
             keys = row_keys(jax.random.fold_in(key, step), range(rows))
-            requests = [engine.submit(Request(ids, Decoding.from_config(cfg), next(drawn),
-                                              keys[i])) for i in range(rows)]
+            first = step * args.prompts
+            requests = [engine.submit(Request(prompts[(first + i // g) % len(prompts)],
+                                              Decoding.from_config(cfg), next(drawn), keys[i]))
+                        for i in range(rows)]
             engine.run()
             useful = sum(len(r.tokens) for r in requests)
             slots = rows

@@ -24,7 +24,9 @@ decides:
   chunk end    the early-stopping decode chunk (the CPU's; GPUs and TPUs run fixed chunks with
                no host transfer) also ends at its next step once the host asks
                (`interrupt_chunks`: a request was cancelled or arrived), so a freed slot or a
-               new request waits one decode step, not the rest of a chunk.
+               new request waits one decode step, not the rest of a chunk; and a partial
+               rollout's chunks are long ones that end once a group's slots are free, where the
+               fixed chunks are short (`refill_chunk`).
 
 A new backend form (a Pallas kernel, another layout) goes here: a field naming the choice, the
 choice made in `numerics_for`, and the method the model calls; the kernel itself lives beside
@@ -112,6 +114,9 @@ class Numerics:
     # piece in flight delays the running requests' next step by its time, which on the CPU is
     # about a decode step's at 128 tokens (docs/benchmarks.md, "Freeing slots")
     prefill_piece: int = 512
+    # decode steps between refills of a partial rollout's slots (jaxrl/rl/partial.py): short
+    # fixed chunks, or on the CPU long ones that end early once a group's slots are free
+    refill_chunk: int = 2
     interpret: bool = False  # Pallas kernels in interpret mode (the GPU choice on a CPU host)
 
     def __post_init__(self):
@@ -324,7 +329,7 @@ def numerics_for(platform: str, devices: int = 1) -> Numerics:
         return Numerics(name="cpu", cpu_products=True, hold_bits=True, float32_cache=True,
                         vocab_major_head=devices == 1, float32_saves=True, gather_bits=True,
                         decode_options=_CPU_DECODE_OPTIONS, dequantize_auto="once",
-                        prefill_piece=128)
+                        prefill_piece=128, refill_chunk=16)
     if platform == "gpu":
         # calls with many tokens: the split NF4 form, two elementwise-decoded half kernels that
         # XLA:GPU can fuse into their matmuls, where the block form's stacked levels and

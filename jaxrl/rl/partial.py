@@ -1,8 +1,9 @@
 """Partial rollouts (`sampling.partial`): a GRPO rollout that never waits for its slowest row.
 
-One decode engine lives across steps. A rollout keeps the engine's queue holding the next
-prompts (a data item's `data.prompts_per_step` groups of G rows, pulled whenever the queue has
-run dry), so every slot a finished row frees takes a new row at once, and it stops as soon as
+One decode engine lives across steps. Before each decode chunk a rollout queues the next
+groups (pulling a data item's `data.prompts_per_step` groups of G rows when none waits) into
+the slots finished rows have freed, a whole group whenever G slots are free (its prompt then
+prefilled once), so freed slots go back to work within a chunk, and it stops as soon as
 `data.prompts_per_step` whole groups (all G rows finished) are ready: those train, oldest
 prompts first. Rows still decoding stay in their slots with their KV cache and go on at the
 next rollout under the next adapter (the engine's `lora` is replaced between steps), each
@@ -38,7 +39,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxrl.backends.numerics import Numerics
+from jaxrl.backends.numerics import Numerics, numerics_of
 from jaxrl.config import SamplingConfig
 from jaxrl.lora.lora import Lora
 from jaxrl.model.families import ModelSpec
@@ -52,9 +53,6 @@ from jaxrl.sampling.stop import stopped
 from jaxrl.sharding import MeshRules
 
 PARTIAL_STREAM = 0x50415254  # folded into the run's key: the partial rollouts' keys
-# decode steps between refills: a slot a row frees waits at most this many steps for the next
-# row (tools/bench_partial.py measures the utilization it gives)
-CHUNK = 2
 
 
 @dataclasses.dataclass(eq=False)
@@ -80,6 +78,7 @@ class Group:
     prompt: str  # the rendered chat prompt
     ids: list[int]
     rows: list[Row]
+    submitted: bool = False  # its rows are in the engine
 
     def done(self) -> bool:
         return all(row.finish_reason is not None for row in self.rows)
@@ -90,25 +89,32 @@ class Partial:
 
     groups, group_size: the groups a step trains (data.prompts_per_step) and G; prompt_width:
     the widest prompt in tokens; slots: decode slots (0: a step's rows); chunk: decode steps
-    between refills; key: the run's sampling key; the rest as
+    between refills (0: the numerics' `refill_chunk`; an early-stopping chunk also ends once
+    G slots are free); key: the run's sampling key; the rest as
     `jaxrl.sampling.sampler.sample` takes them."""
 
     def __init__(self, params: Params, spec: ModelSpec, cfg: SamplingConfig, *, groups: int,
                  group_size: int, prompt_width: int, key: jax.Array, eos_ids: Sequence[int],
                  detokenize: Callable[[Sequence[int]], str] | None = None,
                  lora: Lora | None = None, shardings: MeshRules | None = None,
-                 numerics: Numerics | None = None, slots: int = 0, chunk: int = CHUNK):
+                 numerics: Numerics | None = None, slots: int = 0, chunk: int = 0):
         if cfg.stop and detokenize is None:
             raise ValueError("stop strings need a detokenize function (ids -> text)")
         self.cfg, self.groups, self.group_size = cfg, groups, group_size
         self.key, self.eos_ids, self.detokenize = key, tuple(eos_ids), detokenize
         ways = 1 if shardings is None else shardings.batch_ways
-        self.slots = bucket(max(slots or groups * group_size, ways))
+        self.slots = bucket(max(slots or groups * group_size, ways), minimum=1)
         n = cfg.max_new_tokens
-        self._make = lambda lora: Engine(
-            params, spec, eos_ids=eos_ids, slots=self.slots,
-            capacity=bucket(prompt_width) + bucket(n), chunk=min(bucket(n), chunk),
-            lora=lora, shardings=shardings, numerics=numerics)
+        numerics = numerics_of(shardings) if numerics is None else numerics
+        chunk = chunk or numerics.refill_chunk
+        def make(lora) -> Engine:
+            engine = Engine(params, spec, eos_ids=eos_ids, slots=self.slots,
+                            capacity=bucket(prompt_width) + bucket(n),
+                            chunk=min(bucket(n), chunk), lora=lora, shardings=shardings,
+                            numerics=numerics)
+            engine.refill = group_size  # a chunk may end once a group fits
+            return engine
+        self._make = make
         self.engine = self._make(lora)
         self.decoding = Decoding.from_config(cfg)
         self.pending: list[Group] = []  # pulled and not yet trained, in pull order
@@ -126,8 +132,7 @@ class Partial:
         self.engine.lora, self._version, self._step = lora, version, step
         before = (self.engine.stats.steps, self.engine.stats.tokens)
         while sum(g.done() for g in self.pending) < self.groups:
-            if not self.engine.queued():  # freed slots take the next prompts at once
-                self._submit(pull())
+            self._fill(pull)
             self.engine.step()
             self._stop_strings()
         ready = [g for g in self.pending if g.done()][:self.groups]
@@ -142,9 +147,26 @@ class Partial:
         metrics["partial/pending_groups"] = float(len(self.pending))
         return ready, metrics
 
-    def _submit(self, items: Sequence[tuple]) -> None:
-        """Queue a data item's groups: (record, prompt, ids), or (record, prompt, ids, budgets)
-        with each row's own token budget (default sampling.max_new_tokens)."""
+    def _fill(self, pull: Callable[[], Sequence[tuple]]) -> None:
+        """Queue whole groups, oldest first, while the engine has free slots for all G rows of
+        one (pulling a data item when none waits), so each group's prompt is prefilled once,
+        in the step that admits its rows together."""
+        free = self.engine.free_slots() - self.engine.queued()
+        while free >= self.group_size:
+            waiting = next((g for g in self.pending if not g.submitted), None)
+            if waiting is None:
+                items = pull()
+                if not items:
+                    raise ValueError("the data gave no prompts for the next groups")
+                self._pull(items)
+                continue
+            for row in waiting.rows:
+                self._start(waiting, row)
+            waiting.submitted, free = True, free - self.group_size
+
+    def _pull(self, items: Sequence[tuple]) -> None:
+        """A data item's groups, waiting for slots: (record, prompt, ids), or (record, prompt,
+        ids, budgets) with each row's own token budget (default sampling.max_new_tokens)."""
         for record, prompt, ids, *budgets in items:
             budgets = budgets[0] if budgets else [self.cfg.max_new_tokens] * self.group_size
             serial, self.serial = self.serial, self.serial + 1
@@ -154,8 +176,6 @@ class Partial:
             group = Group(serial, record, prompt, list(ids),
                           [Row(keys[i], int(budgets[i])) for i in range(self.group_size)])
             self.pending.append(group)
-            for row in group.rows:
-                self._start(group, row)
 
     def _start(self, group: Group, row: Row) -> None:
         """Queue `row` in the engine: from its prompt, or from its prompt and its tokens so far
@@ -250,14 +270,16 @@ class Partial:
                       for row in g.rows]} for g in self.pending]}
 
     def restart(self, packed: dict[str, Any], lora: Lora | None) -> None:
-        """A fresh engine holding `packed`'s groups (module docstring): rows already begun are
-        queued first, oldest group first, so they take slots before rows not yet begun."""
+        """A fresh engine holding `packed`'s groups (module docstring): the unfinished rows of
+        groups begun are queued at once, oldest first; the other groups wait for slots."""
         self.engine = self._make(lora)
         self.serial = int(packed["serial"])
         self.pending = [Group(g["serial"], g["record"], g["prompt"], list(g["ids"]), [
             Row(np.asarray(r["key"], np.uint32), int(r["budget"]), list(r["tokens"]),
                 [float(x) for x in r["logprobs"]], list(r["versions"]), r["finish_reason"],
                 r["begun"]) for r in g["rows"]]) for g in packed["groups"]]
-        live = [(g, row) for g in self.pending for row in g.rows if row.finish_reason is None]
-        for g, row in sorted(live, key=lambda gr: not gr[1].tokens):  # stable: serial order
-            self._start(g, row)
+        for g in self.pending:  # a group begun decodes on; the others wait for slots
+            g.submitted = any(row.tokens for row in g.rows)
+            for row in g.rows:
+                if g.submitted and row.finish_reason is None:
+                    self._start(g, row)

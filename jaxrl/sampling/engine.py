@@ -104,6 +104,9 @@ class Engine:
         self._prefilling: dict[int, list] = {}
         self._used: dict[str, set[Features]] = {}  # program -> the features it ran with
         self.stats = EngineStats()
+        # >0: an early-stopping chunk (the CPU's) also ends once this many slots are free, for
+        # a caller that fills them a group at a time (jaxrl/rl/partial.py)
+        self.refill = 0
         # called at the start of every step: submits requests that wait outside the engine
         # (a local judge's, jaxrl/rewards/local_judge.py)
         self.feed: Callable[[], None] | None = None
@@ -238,6 +241,10 @@ class Engine:
             self._free_slot(slot)
             request._end("cancelled")
 
+    def free_slots(self) -> int:
+        """This process's slots that no request holds (a block's count once all of it is)."""
+        return len(self._free) * self.share
+
     def queued(self) -> int:
         """Requests of this process waiting for a slot (groups of `share`, one each)."""
         return len(self._queue)
@@ -264,7 +271,8 @@ class Engine:
                                          eos_ids=self.eos_ids,
                                          steps=self.chunk if allowed is None else 1,
                                          shardings=self.shardings, numerics=self.numerics,
-                                         features=features, allowed=allowed)
+                                         features=features, allowed=allowed,
+                                         refill=np.int32(self.refill) if self.refill else None)
             chunk, live = self._local((chunk, self.state.live))
             adapters = np.zeros(self._local_slots, np.int64)
             counted = np.zeros(self._local_slots, bool)

@@ -273,14 +273,17 @@ def admit(state: Slots, params: Params, lora: Lora | AdapterSet | None, prompts:
 def generate(state: Slots, params: Params, lora: Lora | AdapterSet | None, *, spec: ModelSpec,
              eos_ids: tuple[int, ...], steps: int, shardings: MeshRules | None = None,
              numerics: Numerics = REFERENCE, features: Features = ALL,
-             allowed: jax.Array | None = None) -> tuple[Slots, Chunk]:
+             allowed: jax.Array | None = None,
+             refill: jax.Array | None = None) -> tuple[Slots, Chunk]:
     """Advance every live slot by up to `steps` tokens (module docstring); features must cover
     the settings of the live slots (`Features.covers`). The columns of a slot that is not live
     at a step hold emitted False and zeros; with `numerics.fixed_chunk` the chunk runs all
     `steps` steps with no data-dependent branch or loop and gives what the early-stopping
     chunk gives (cache columns past a slot's filled ones aside, which nothing reads). An
     `AdapterSet` lora gives each slot its own adapter (`Slots.adapter`). allowed [S, V]: the
-    tokens each slot may take next (a grammar's mask, `next_token`), with steps 1."""
+    tokens each slot may take next (a grammar's mask, `next_token`), with steps 1. refill (a
+    scalar, early-stopping chunk only): the chunk also ends after a step once at least this
+    many slots are not live, so the host can fill them (a partial rollout's next group)."""
     if allowed is not None and steps != 1:
         raise ValueError(f"a token mask holds for one step; got steps={steps}")
     params, lora = _place(params, lora, spec, shardings, numerics, state.adapter)
@@ -329,8 +332,10 @@ def generate(state: Slots, params: Params, lora: Lora | AdapterSet | None, *, sp
                   top_ids=jnp.zeros((s, steps, k), jnp.int32),
                   top_logprobs=jnp.zeros((s, steps, k), jnp.float32))
     def more(c):  # steps left, a live slot, and (after the first) the host has not asked
-        return ((c[0] < steps) & jnp.any(c[1].live)
-                & ((c[0] == 0) | ~numerics.chunk_interrupted()))
+        go_on = ~numerics.chunk_interrupted()  # nor (refill) are enough slots free
+        if refill is not None:
+            go_on = go_on & (jnp.sum(~c[1].live) < refill)
+        return (c[0] < steps) & jnp.any(c[1].live) & ((c[0] == 0) | go_on)
 
     _, state, out = jax.lax.while_loop(more, body, (jnp.zeros((), jnp.int32), state, empty))
     return state, out

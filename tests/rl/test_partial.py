@@ -39,12 +39,21 @@ def _lora(spec, seed):
         if x.ndim == 3 else x, lora)
 
 
-def _pull(counter=[0]):  # noqa: B006 -- a fresh list per call below
+def _pull(first=0, budgets=None):
+    """The data: group i (from `first`) of prompt i, its rows' budgets budgets(i) (None: the
+    config's)."""
+    counter = [first]
+
     def pull():
         i = counter[0]
         counter[0] += 1
-        return [({"id": i}, f"p{i}", PROMPTS[i % len(PROMPTS)])]
+        item = ({"id": i}, f"p{i}", PROMPTS[i % len(PROMPTS)])
+        return [item if budgets is None else (*item, budgets(i))]
     return pull
+
+
+def _long_second(i):
+    return [40, 40] if i == 1 else [24, 24]
 
 
 def _partial(spec, params, lora, eos=(), **sampling):
@@ -79,25 +88,28 @@ def test_a_resumed_request_decodes_on_as_the_uninterrupted_one(tiny):
 
 
 def test_a_carried_row_decodes_what_it_does_uninterrupted_under_the_same_adapters(tiny):
-    """Slots for two groups of two: the second group begins a chunk after the first, is still
-    decoding when the first finishes, and is carried into the next rollout (adapter B)."""
+    """Slots for two groups of two, both admitted at once: the second's rows have 40 tokens to
+    the first's 24, are still decoding when the first finishes (the CPU's chunk ends there, a
+    group's slots being free), and are carried into the next rollout (adapter B), whose freed
+    slots take a third group."""
     spec, params = tiny
     a, b = _lora(spec, 1), _lora(spec, 2)
-    partial = _partial(spec, params, a)
-    pull = _pull([0])
+    partial = _partial(spec, params, a, max_new_tokens=40)
+    pull = _pull(budgets=_long_second)
     ready, metrics = partial.rollout(0, 0, a, pull)
     assert [g.serial for g in ready] == [0]
     assert metrics["partial/carried_over_rows"] == 2
     ready, metrics = partial.rollout(1, 1, b, pull)
     assert [g.serial for g in ready] == [1] and metrics["partial/carried_rows"] == 2
+    assert [g.serial for g in partial.pending] == [2]  # begun in rollout 1
     carried = ready[0].rows
     for row in carried:
-        assert row.versions == [0] * 17 + [1] * 7 and row.finish_reason == "length"
-    assert metrics["partial/tokens_age_1"] == 34 and metrics["partial/tokens_age_0"] == 14
+        assert row.versions == [0] * 24 + [1] * 16 and row.finish_reason == "length"
+    assert metrics["partial/tokens_age_1"] == 48 and metrics["partial/tokens_age_0"] == 32
 
-    # the same rows in an engine of their own: 17 tokens under A, then B
-    engine = Engine(params, spec, slots=4, capacity=8 + 32, chunk=16, lora=a)
-    replay = [engine.submit(Request(PROMPTS[1], partial.decoding, 24, row.key))
+    # the same rows in an engine of their own: 24 tokens under A, then B
+    engine = Engine(params, spec, slots=4, capacity=8 + 64, chunk=23, lora=a)
+    replay = [engine.submit(Request(PROMPTS[1], partial.decoding, 40, row.key))
               for row in carried]
     engine.step()
     engine.lora = b
@@ -106,35 +118,34 @@ def test_a_carried_row_decodes_what_it_does_uninterrupted_under_the_same_adapter
         assert row.tokens == request.tokens
         np.testing.assert_allclose(row.logprobs, request.logprobs, atol=1e-5)
     # and under A throughout they differ: the carried tokens did change adapter
-    engine = Engine(params, spec, slots=4, capacity=8 + 32, chunk=16, lora=a)
-    alone = engine.submit(Request(PROMPTS[1], partial.decoding, 24, carried[0].key))
+    engine = Engine(params, spec, slots=4, capacity=8 + 64, chunk=16, lora=a)
+    alone = engine.submit(Request(PROMPTS[1], partial.decoding, 40, carried[0].key))
     engine.run()
-    assert alone.tokens[:17] == carried[0].tokens[:17] and alone.tokens != carried[0].tokens
+    assert alone.tokens[:24] == carried[0].tokens[:24] and alone.tokens != carried[0].tokens
 
     records, prompts, out = partial.output(ready)
     assert records == [{"id": 1}] * 2 and prompts == ["p1"] * 2
-    np.testing.assert_array_equal(out.versions[0], [0] * 17 + [1] * 7)
+    np.testing.assert_array_equal(out.versions[0], [0] * 24 + [1] * 16)
     np.testing.assert_array_equal(out.tokens[1], carried[1].tokens)
 
 
 def test_restarting_from_a_packed_state_is_what_a_resumed_run_does(tiny):
     spec, params = tiny
     a, b = _lora(spec, 1), _lora(spec, 2)
-    partial = _partial(spec, params, a)
-    pull = _pull([0])
-    partial.rollout(0, 0, a, pull)
+    partial = _partial(spec, params, a, max_new_tokens=40)
+    partial.rollout(0, 0, a, _pull(budgets=_long_second))
     packed = partial.pack()
     assert [g["serial"] for g in packed["groups"]] == [1]
     partial.restart(packed, b)  # the uninterrupted run, after it saved a checkpoint
-    resumed = _partial(spec, params, None)  # a new process
+    resumed = _partial(spec, params, None, max_new_tokens=40)  # a new process
     resumed.restart(packed, b)
     outs = []
     for p in (partial, resumed):
-        ready, metrics = p.rollout(1, 1, b, _pull([2]))
+        ready, metrics = p.rollout(1, 1, b, _pull(2, _long_second))
         outs.append(p.output(ready)[2])
     for name in ("tokens", "mask", "logprobs", "versions"):
         np.testing.assert_array_equal(getattr(outs[0], name), getattr(outs[1], name))
-    np.testing.assert_array_equal(outs[0].versions[0], [0] * 17 + [1] * 7)
+    np.testing.assert_array_equal(outs[0].versions[0], [0] * 24 + [1] * 16)
 
 
 @pytest.mark.parametrize("overflow", ["finish", "drop"])
@@ -145,7 +156,7 @@ def test_no_trained_row_spans_more_than_max_carry_updates(tiny, overflow):
     loras = [_lora(spec, s) for s in range(3)]
     partial = _partial(spec, params, loras[0], eos=tuple(range(3, 9)), max_new_tokens=64,
                        carry_overflow=overflow)
-    pull, seen, cut = _pull([0]), 0.0, 0
+    pull, seen, cut = _pull(), 0.0, 0
     for step in range(8):
         ready, metrics = partial.rollout(step, step, loras[step % 3], pull)
         assert len(ready) == 1 and 0 <= metrics["partial/slot_utilization"] <= 1
