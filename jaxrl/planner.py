@@ -158,10 +158,15 @@ def _layout(cfg, rules, run: AbstractRun):
 def _slots(cfg, spec, rules, run: AbstractRun):
     """The rollout engine's slots as `sample` lays them out for the run's rows (a group's G
     slots sharing its prompt; one slot each in multi-turn rollouts), ShapeDtypeStructs; with
-    judge.local the policy's engine of the local judge's layout (module docstring)."""
+    judge.local the policy's engine of the local judge's layout (module docstring); with
+    sampling.partial the engine kept across steps (a slot each, sampling.slots of them)."""
     lay = _layout(cfg, rules, run)
     if lay is not None:
         return abstract_slots(run.params, spec, lay.policy_slots, lay.policy_capacity, rules,
+                              numerics=run.numerics)
+    if cfg.sampling.partial:  # jaxrl/rl/partial.py: single slots, sampling.slots or a step's
+        slots = bucket(max(cfg.sampling.slots or run.rows, rules.batch_ways), minimum=1)
+        return abstract_slots(run.params, spec, slots, _capacity(cfg), rules,
                               numerics=run.numerics)
     group = 1 if cfg.data.env else cfg.grpo.num_generations
     slots, share = slot_layout(run.rows, group, 0, rules.batch_ways)

@@ -109,7 +109,7 @@ class Partial:
         chunk = chunk or numerics.refill_chunk
         def make(lora) -> Engine:
             engine = Engine(params, spec, eos_ids=eos_ids, slots=self.slots,
-                            capacity=bucket(prompt_width) + bucket(n),
+                            capacity=prompt_width + bucket(n),
                             chunk=min(bucket(n), chunk), lora=lora, shardings=shardings,
                             numerics=numerics)
             engine.refill = group_size  # a chunk may end once a group fits
