@@ -160,6 +160,7 @@ class Scheduler:
     def _new_engine(self) -> Engine:
         engine = self._make_engine()
         engine.lora = self._lora
+        engine.feed = self._feed_step  # waiting jobs go in as each step begins
         return engine
 
     def submit(self, model: str, jobs: list[Job]) -> None:
@@ -230,6 +231,14 @@ class Scheduler:
         if self._on_change is not None:
             self._on_change(self.counts)
 
+    def _feed_step(self) -> None:
+        """`Engine.feed`: at the start of each engine step, after the engine has begun noting
+        arrivals that should end its next chunk early, so a job that arrives after this waits
+        a decode step, not a chunk."""
+        with self._cond:
+            self._feed()
+            self._changed()
+
     def _feed(self) -> None:
         """Move waiting jobs of any model into the engine, first come first served, while it
         has free slots (under the lock). A request's jobs go in together; one with more jobs
@@ -276,7 +285,7 @@ class Scheduler:
                 if self._closed:
                     return
                 score = self._scores.popleft() if self._scores else None
-                self._feed()
+                self._feed()  # and again as the engine step begins (`_feed_step`)
                 self._changed()
             if score is not None:
                 self._score(*score)
