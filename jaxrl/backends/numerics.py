@@ -21,8 +21,8 @@ decides:
                bfloat16 projection as its exact float32 value (XLA:CPU updates a float32 stack
                of saved values in place, a bfloat16 one by converting the whole stack).
   compiler     the XLA options of the decode program (on the CPU a memory-ordered schedule).
-  chunk end    the early-stopping decode chunk (the CPU's; GPUs and TPUs run fixed chunks with
-               no host transfer) also ends at its next step once the host asks
+  chunk end    a server's early-stopping decode chunk (the CPU's; GPUs and TPUs run fixed
+               chunks with no host transfer) also ends at its next step once the host asks
                (`interrupt_chunks`: a request was cancelled or arrived), so a freed slot or a
                new request waits one decode step, not the rest of a chunk; and a partial
                rollout's chunks are long ones that end once a group's slots are free, where the

@@ -107,6 +107,10 @@ class Engine:
         # >0: an early-stopping chunk (the CPU's) also ends once this many slots are free, for
         # a caller that fills them a group at a time (jaxrl/rl/partial.py)
         self.refill = 0
+        # an early-stopping chunk (the CPU's) polls the host each step and ends after the step
+        # once `interrupt` was called; off where nothing arrives mid-chunk (rollouts), since
+        # the poll is a host callback per decode step (a server turns it on)
+        self.interruptible = False
         # called at the start of every step: submits requests that wait outside the engine
         # (a local judge's, jaxrl/rewards/local_judge.py)
         self.feed: Callable[[], None] | None = None
@@ -272,7 +276,8 @@ class Engine:
                                          steps=self.chunk if allowed is None else 1,
                                          shardings=self.shardings, numerics=self.numerics,
                                          features=features, allowed=allowed,
-                                         refill=np.int32(self.refill) if self.refill else None)
+                                         refill=np.int32(self.refill) if self.refill else None,
+                                         interruptible=self.interruptible)
             chunk, live = self._local((chunk, self.state.live))
             adapters = np.zeros(self._local_slots, np.int64)
             counted = np.zeros(self._local_slots, bool)

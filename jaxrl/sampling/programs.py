@@ -33,8 +33,9 @@ the shapes):
             log-probs and which were emitted [S, N]. With `Numerics.fixed_chunk` (GPU, TPU)
             the chunk is N steps, always: a slot that is not live changes nothing and emits
             nothing, so no step waits on the host to learn whether to go on; otherwise (CPU)
-            it stops early once no slot is live, or after a step once the host has asked it
-            to (`jaxrl.backends.numerics.interrupt_chunks`: a cancel or a new request).
+            it stops early once no slot is live, or (an interruptible engine's, a server's)
+            after a step once the host has asked it to
+            (`jaxrl.backends.numerics.interrupt_chunks`: a cancel or a new request).
   extend    continue R slots: conversations held in their slots (jaxrl/sampling/requests.py)
             and prompts prefilled in pieces. Rewind each such slot's cache to its kept tokens,
             append up to A tokens [R, A] there in one pass over those R rows alone (the other
@@ -269,12 +270,13 @@ def admit(state: Slots, params: Params, lora: Lora | AdapterSet | None, prompts:
 # the decode program, jitted with the numerics' compiler options for it
 @functools.partial(Program, program="decode", donate_argnums=0,
                    static_argnames=("spec", "eos_ids", "steps", "shardings", "numerics",
-                                    "features"))
+                                    "features", "interruptible"))
 def generate(state: Slots, params: Params, lora: Lora | AdapterSet | None, *, spec: ModelSpec,
              eos_ids: tuple[int, ...], steps: int, shardings: MeshRules | None = None,
              numerics: Numerics = REFERENCE, features: Features = ALL,
              allowed: jax.Array | None = None,
-             refill: jax.Array | None = None) -> tuple[Slots, Chunk]:
+             refill: jax.Array | None = None,
+             interruptible: bool = False) -> tuple[Slots, Chunk]:
     """Advance every live slot by up to `steps` tokens (module docstring); features must cover
     the settings of the live slots (`Features.covers`). The columns of a slot that is not live
     at a step hold emitted False and zeros; with `numerics.fixed_chunk` the chunk runs all
@@ -283,7 +285,9 @@ def generate(state: Slots, params: Params, lora: Lora | AdapterSet | None, *, sp
     `AdapterSet` lora gives each slot its own adapter (`Slots.adapter`). allowed [S, V]: the
     tokens each slot may take next (a grammar's mask, `next_token`), with steps 1. refill (a
     scalar, early-stopping chunk only): the chunk also ends after a step once at least this
-    many slots are not live, so the host can fill them (a partial rollout's next group)."""
+    many slots are not live, so the host can fill them (a partial rollout's next group).
+    interruptible (early-stopping chunk only): the chunk also polls the host at each step and
+    ends once it asks (`jaxrl.backends.numerics.interrupt_chunks`; a server's engine)."""
     if allowed is not None and steps != 1:
         raise ValueError(f"a token mask holds for one step; got steps={steps}")
     params, lora = _place(params, lora, spec, shardings, numerics, state.adapter)
@@ -331,9 +335,9 @@ def generate(state: Slots, params: Params, lora: Lora | AdapterSet | None, *, sp
                   emitted=jnp.zeros((s, steps), bool),
                   top_ids=jnp.zeros((s, steps, k), jnp.int32),
                   top_logprobs=jnp.zeros((s, steps, k), jnp.float32))
-    def more(c):  # steps left, a live slot, and (after the first) the host has not asked
-        go_on = ~numerics.chunk_interrupted()  # nor (refill) are enough slots free
-        if refill is not None:
+    def more(c):  # steps left, a live slot, and (after the first) neither has the host asked
+        go_on = ~numerics.chunk_interrupted() if interruptible else jnp.bool_(True)
+        if refill is not None:  # nor are enough slots free
             go_on = go_on & (jnp.sum(~c[1].live) < refill)
         return (c[0] < steps) & jnp.any(c[1].live) & ((c[0] == 0) | go_on)
 

@@ -161,6 +161,7 @@ class Scheduler:
         engine = self._make_engine()
         engine.lora = self._lora
         engine.feed = self._feed_step  # waiting jobs go in as each step begins
+        engine.interruptible = True  # arrivals and cancels end a CPU chunk after its step
         return engine
 
     def submit(self, model: str, jobs: list[Job]) -> None:
