@@ -20,6 +20,10 @@ decides:
   saves        what remat "dots" saves of a projection: the value as computed, or on the CPU a
                bfloat16 projection as its exact float32 value (XLA:CPU updates a float32 stack
                of saved values in place, a bfloat16 one by converting the whole stack).
+  attention    a decode step's attention: over every cache column, masked (the XLA form);
+               over blocks of columns up to the fullest live row in a device loop (the CPU's:
+               `jaxrl.backends.attention_blocks`); or the GPU kernel that reads each row's
+               filled columns.
   compiler     the XLA options of the decode program (on the CPU a memory-ordered schedule).
   chunk end    a server's early-stopping decode chunk (the CPU's; GPUs and TPUs run fixed
                chunks with no host transfer) also ends at its next step once the host asks
@@ -57,10 +61,11 @@ PLATFORMS = ("cpu", "gpu", "tpu")
 # reads one layer of the stacked codes in place and adds the LoRA term in its epilogue
 # (jaxrl/backends/nf4_gpu.py)
 NF4_FORMS = FORMS + ("kernel",)
-# decode attention: "xla" scores every cache column and masks (jaxrl.model.attention), or
-# "pallas_gpu", the kernel that reads each row's filled columns of one layer of the stacked
-# cache in place (jaxrl/backends/attention_gpu.py)
-ATTENTION_FORMS = ("xla", "pallas_gpu")
+# decode attention: "xla" scores every cache column and masks (jaxrl.model.attention);
+# "xla_blocks", a device loop over blocks of columns up to the batch's fullest row
+# (jaxrl/backends/attention_blocks.py); or "pallas_gpu", the kernel that reads each row's
+# filled columns of one layer of the stacked cache in place (jaxrl/backends/attention_gpu.py)
+ATTENTION_FORMS = ("xla", "xla_blocks", "pallas_gpu")
 
 
 class AtLayer:
@@ -136,7 +141,7 @@ class Numerics:
     def in_place_layers(self) -> bool:
         """Whether the layer loop hands the kernels whole stacks and the layer index
         (`AtLayer`: NF4 kernels and the KV cache) instead of scanning over their slices."""
-        return self.attention != "xla" or "kernel" in (self.nf4_decode, self.nf4_many)
+        return self.attention == "pallas_gpu" or "kernel" in (self.nf4_decode, self.nf4_many)
 
     def nf4_form(self, tokens: int) -> str:
         """The NF4 form of a call with `tokens` tokens per row."""
@@ -214,12 +219,16 @@ class Numerics:
         return checkpoint_name(y, name)
 
     def filled_attention(self):
-        """The decode-attention kernel that reads only each row's filled cache columns, in
-        place in the layer-stacked cache (the `jaxrl.backends.attention_gpu.decode_attention`
-        contract), or None: the XLA form over every column (`jaxrl.model.attention.attend`)."""
+        """The decode attention that reads only filled cache columns of one layer of the
+        layer-stacked cache (the `jaxrl.backends.attention_gpu.decode_attention` contract): the
+        GPU kernel, or the XLA loop over blocks up to the fullest row; or None: the XLA form
+        over every column (`jaxrl.model.attention.attend`)."""
         if self.attention == "pallas_gpu":
             from jaxrl.backends import attention_gpu
             return functools.partial(attention_gpu.decode_attention, interpret=self.interpret)
+        if self.attention == "xla_blocks":
+            from jaxrl.backends.attention_blocks import blocked_decode_attention
+            return blocked_decode_attention
         return None
 
     # -- embedding and head -----------------------------------------------------------------
@@ -329,7 +338,7 @@ def numerics_for(platform: str, devices: int = 1) -> Numerics:
         return Numerics(name="cpu", cpu_products=True, hold_bits=True, float32_cache=True,
                         vocab_major_head=devices == 1, float32_saves=True, gather_bits=True,
                         decode_options=_CPU_DECODE_OPTIONS, dequantize_auto="once",
-                        prefill_piece=128, refill_chunk=16)
+                        prefill_piece=128, refill_chunk=16, attention="xla_blocks")
     if platform == "gpu":
         # calls with many tokens: the split NF4 form, two elementwise-decoded half kernels that
         # XLA:GPU can fuse into their matmuls, where the block form's stacked levels and

@@ -292,7 +292,8 @@ def hidden_states(params: Params, tokens: jax.Array, positions: jax.Array, spec:
                   attn_mask: jax.Array | None = None, cache: KVCache | None = None,
                   prefix: KVCache | None = None, lora: Lora | None = None,
                   rng: jax.Array | None = None, remat: str = "none",
-                  shardings: Layout | None = None, numerics: Numerics = REFERENCE):
+                  shardings: Layout | None = None, numerics: Numerics = REFERENCE,
+                  reading: jax.Array | None = None):
     """Final-normed hidden states [B, T, E] and the updated cache (None without one).
 
     lora: adapters added to their target linears (None = the frozen base alone, which is also
@@ -311,7 +312,10 @@ def hidden_states(params: Params, tokens: jax.Array, positions: jax.Array, spec:
     let the partitioner choose). A call with more than one token per row gathers each layer's
     weights over the FSDP axes inside the loop; a decode step (one token per row) leaves them
     split and moves its few activations instead. numerics: the backend forms
-    (`jaxrl.backends.numerics`).
+    (`jaxrl.backends.numerics`). reading [B] bool (a decode step's live rows, or None: all):
+    where the numerics' decode attention reads only filled columns, the other rows read
+    none (their outputs are garbage for the caller to drop), so a finished slot's stale fill
+    costs nothing; their new keys and values are still written at their index.
     """
     b, t = tokens.shape
     kernel = None  # attention over each row's filled columns, read in place
@@ -332,19 +336,31 @@ def hidden_states(params: Params, tokens: jax.Array, positions: jax.Array, spec:
     many = shardings if t > 1 else None  # the layout of a call with many tokens per row
     h = _rows(many, numerics.embed(params["embed_tokens"]["embedding"], tokens))  # [B, T, E]
 
+    kv = None if cache is None else (cache.k, cache.v)
+    if prefix is not None:
+        kv += (prefix.k, prefix.v)
+    stacks = None  # the caches a kernel indexes itself where the loop would slice them
+    if kernel is not None:  # the columns the kernel reads of each row and block prompt
+        read = [jnp.minimum(cache.index, cache.max_len),
+                None if prefix is None else prefix.index]
+        if reading is not None:
+            read[0] = jnp.where(reading, read[0], 0)
+            if prefix is not None:
+                blocks = jnp.any(reading.reshape(prefix.index.shape[0], -1), axis=1)
+                read[1] = jnp.where(blocks, read[1], 0)
+    if kernel is not None and not numerics.in_place_layers:
+        stacks, kv = kv, jnp.arange(spec.num_layers, dtype=jnp.int32)
+
     def layer(h, lp, proj, kv):
         if kernel is not None:
-            attention = _filled_attention(kernel, kv, jnp.minimum(cache.index, cache.max_len),
-                                          None if prefix is None else prefix.index)
+            kv = kv if stacks is None else AtLayer(stacks, kv)
+            attention = _filled_attention(kernel, kv, *read)
         else:
             kv = kv.get() if isinstance(kv, AtLayer) else kv
             attention = (_attention(mask) if kv is None
                          else _cached_attention(mask, kv[:2], prefix=kv[2:] or None))
         return decoder_layer(_rows(many, h), lp, proj, rope, spec, attention)
 
-    kv = None if cache is None else (cache.k, cache.v)
-    if prefix is not None:
-        kv += (prefix.k, prefix.v)
     h, new = _scan_layers(params, lora, h, kv, layer, spec=spec, numerics=numerics,
                           layout=many, remat=remat, rng=rng)
     h = rms_norm(h, params["norm"]["scale"], spec.rms_norm_eps)

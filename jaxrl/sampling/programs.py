@@ -304,7 +304,7 @@ def generate(state: Slots, params: Params, lora: Lora | AdapterSet | None, *, sp
         index = st.cache.index
         h, cache = hidden_states(params, st.last[:, None], (index + offset)[:, None], spec,
                                  cache=st.cache, prefix=st.prefix, lora=lora,
-                                 shardings=shardings, numerics=numerics)
+                                 shardings=shardings, numerics=numerics, reading=st.live)
         logits = decode_logits(params, h[:, -1], spec, shardings, numerics)  # [S, V]
         picked = next_token(_fold(st.keys, st.count), logits, st.settings, st.history, top_k,
                             features, allowed)
