@@ -2,12 +2,14 @@
 stops at the batch's fullest row, for backends without a decode-attention kernel whose loops
 run on the device (the CPU; `Numerics.attention` "xla_blocks").
 
-    blocked_decode_attention(q, k, v, layer, lengths, *, block=128) -> (out, lse)
+    blocked_decode_attention(q, k, v, layer, lengths, *, block=None) -> (out, lse)
 
 has the contract of `jaxrl.backends.attention_gpu.decode_attention` (its module docstring):
 q [B, K, M, D]; k, v [L, B, K, S, D] stacked caches of which only layer `layer` and columns
 [0, max(lengths)) are read, in blocks of `block` columns (a block starting at or past the
-fullest row's fill is never sliced); scores in float32 scaled by D**-0.5, each block's weights
+fullest row's fill is never sliced; None: 128 columns, or 1,024 / B for fewer than 8 rows,
+whose blocks hold so little work that the loop's own cost shows; a cache of one block is
+read whole, without the loop); scores in float32 scaled by D**-0.5, each block's weights
 exp(score - running max) rounded to q's dtype before they weight v; out [B, K, M, D] and lse
 [B, K, M] float32; a row with length 0 gives out 0 and lse `EMPTY_LSE`.
 
@@ -27,7 +29,7 @@ BLOCK = 128
 
 
 def blocked_decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, layer: jax.Array,
-                             lengths: jax.Array, *, block: int = BLOCK
+                             lengths: jax.Array, *, block: int | None = None
                              ) -> tuple[jax.Array, jax.Array]:
     """Attention of q over layer `layer` of the stacked cache, row b's columns [0,
     lengths[b]) only, in blocks of `block` columns up to the fullest row (module
@@ -40,7 +42,7 @@ def blocked_decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, layer: ja
     if lengths.shape != (b,):
         raise ValueError(f"lengths must be [B] = [{b}]: {lengths.shape}")
     m = q.shape[2]
-    width = min(block, s)
+    width = min(max(BLOCK, 8 * BLOCK // b) if block is None else block, s)
     lengths = jnp.clip(lengths.astype(jnp.int32), 0, s)
     blocks = (jnp.max(lengths) + width - 1) // width
     layer = jnp.asarray(layer, jnp.int32)
@@ -70,7 +72,10 @@ def blocked_decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, layer: ja
 
     init = (jnp.zeros((b, kv, m, d), jnp.float32), jnp.full((b, kv, m), EMPTY_LSE, jnp.float32),
             jnp.zeros((b, kv, m), jnp.float32))
-    acc, top, total = jax.lax.fori_loop(0, blocks, body, init)
+    if width == s:  # one block holds every column: no loop (its slice feeds its products)
+        acc, top, total = body(0, init)
+    else:
+        acc, top, total = jax.lax.fori_loop(0, blocks, body, init)
     filled = total > 0
     safe = jnp.where(filled, total, 1.0)
     out = jnp.where(filled[..., None], acc / safe[..., None], 0.0)

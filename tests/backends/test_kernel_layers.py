@@ -15,6 +15,8 @@ from jaxrl.model.transformer import hidden_states
 from tests.sharding.common import SPEC, quantized_model
 
 KERNELS = dataclasses.replace(numerics_for("gpu"), interpret=True)
+# the XLA loop over blocks of filled columns, 8-column blocks so that 32 columns take several
+BLOCKS = dataclasses.replace(REFERENCE, attention="xla_blocks")
 
 
 def _random_cache(rng, rows, columns, index):
@@ -25,8 +27,14 @@ def _random_cache(rng, rows, columns, index):
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["own-columns", "shared-prompt"])
-def test_a_decode_step_through_the_kernels_equals_the_reference(shared):
-    assert KERNELS.in_place_layers and KERNELS.nf4_decode == "kernel"
+@pytest.mark.parametrize("form", ["kernels", "blocks"])
+def test_a_decode_step_through_the_kernels_equals_the_reference(shared, form, monkeypatch):
+    numerics = KERNELS if form == "kernels" else BLOCKS
+    if form == "kernels":
+        assert KERNELS.in_place_layers and KERNELS.nf4_decode == "kernel"
+    else:  # the cache is indexed by layer, the weights scanned as the XLA forms scan them
+        assert not BLOCKS.in_place_layers and BLOCKS.filled_attention() is not None
+        monkeypatch.setattr("jaxrl.backends.attention_blocks.BLOCK", 8)
     params, lora = quantized_model()
     rng = np.random.RandomState(0)
     # rows filled 0 (nothing), 5, 17 and 32 (every column) of 32
@@ -40,10 +48,36 @@ def test_a_decode_step_through_the_kernels_equals_the_reference(shared):
                                                        prefix=q, lora=a, numerics=numerics))
         return jax.device_get(run(params, lora, cache, prefix))
 
-    (h, new), (want_h, want_new) = step(KERNELS), step(REFERENCE)
+    (h, new), (want_h, want_new) = step(numerics), step(REFERENCE)
     np.testing.assert_allclose(h, want_h, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(new.k, want_new.k, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(new.index, want_new.index)
+
+
+@pytest.mark.parametrize("numerics", [KERNELS, BLOCKS], ids=["kernels", "blocks"])
+def test_rows_not_read_attend_to_nothing_and_leave_the_others_alone(numerics):
+    """A decode step's finished rows (reading False) read no cache column: NaN in their
+    columns, filled to the end, changes neither the live rows' hidden states nor where the
+    step writes."""
+    params, lora = quantized_model()
+    rng = np.random.RandomState(1)
+    cache = _random_cache(rng, 4, 32, [3, 32, 9, 32])
+    dead = jnp.asarray([False, True, False, True])
+    poisoned = cache.replace(k=jnp.where(dead[None, :, None, None, None], jnp.nan, cache.k),
+                             v=jnp.where(dead[None, :, None, None, None], jnp.nan, cache.v))
+    tokens = jnp.asarray([[3], [4], [5], [6]], jnp.int32)
+
+    def step(numerics, c, reading):
+        return jax.device_get(jax.jit(lambda p, a, c: hidden_states(
+            p, tokens, c.index[:, None], SPEC, cache=c, lora=a, numerics=numerics,
+            reading=reading))(params, lora, c))
+
+    h, new = step(numerics, poisoned, ~dead)
+    want_h, want_new = step(REFERENCE, cache, None)
+    live = np.asarray(~dead)
+    np.testing.assert_allclose(h[live], want_h[live], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(new.index, want_new.index)
+    np.testing.assert_allclose(new.k[:, live], want_new.k[:, live], rtol=1e-5, atol=1e-5)
 
 
 def test_sampling_adapters_join_a_before_the_cpu_holds_them_as_bits():
