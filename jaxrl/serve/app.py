@@ -174,9 +174,11 @@ class Api:
             raise
         finish = functools.partial(self._finished, request, job, gen, jobs + scores, arrived)
         if job.settings.stream:
-            return StreamingResponse(self._stream(job, gen, scored, finish,
-                                                  _on_disconnect(request, lambda: self.scheduler
-                                                                 .cancel(jobs + scores))),
+            # watching starts now, not when the body is first iterated: a client gone before
+            # the response starts never iterates it, and its jobs are cancelled all the same
+            watcher = asyncio.ensure_future(
+                _on_disconnect(request, lambda: self.scheduler.cancel(jobs + scores)))
+            return StreamingResponse(self._stream(job, gen, scored, finish, watcher),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache",
                                               "X-Accel-Buffering": "no"})
@@ -282,13 +284,13 @@ class Api:
         self.metrics.generation(job.model, arrived, request.state.prompt_tokens, gen)
 
     async def _stream(self, job: Prepared, gen: Generation, scored: list[asyncio.Future],
-                      finish: Callable[[], None], watch) -> AsyncIterator[str]:
-        """The reply's server-sent events; `watch` (`_on_disconnect`) runs beside them, so a
-        client that hangs up frees its slots before the next event would have failed to go
-        out."""
+                      finish: Callable[[], None], watcher: asyncio.Future
+                      ) -> AsyncIterator[str]:
+        """The reply's server-sent events; `watcher` (a task of `_on_disconnect`) runs beside
+        them, so a client that hangs up frees its slots before the next event would have
+        failed to go out; it is cancelled when the events end."""
         reply, s = Reply(job.kind, job.model), job.settings
         logprobs = s.logprobs is not None
-        watcher = asyncio.ensure_future(watch)
         try:
             if job.kind == "chat":
                 for i in range(len(gen.streams)):
