@@ -1,6 +1,7 @@
 """jaxrl/bench/lowered.py: the decode program's structural counts (lowered for the CPU and, from
 this CPU host, exported for CUDA), the counting rules on a hand-made program, the bytes a decode
 step must move by hand, and `jaxrl bench decode` on a tiny architecture."""
+import dataclasses
 import json
 
 import jax
@@ -44,6 +45,8 @@ def counts():
             "gpu on cuda": _structure(gpu, "cuda"),
             "split on cpu": _structure(split), "split on cuda": _structure(split, "cuda"),
             "cpu dense": _structure(cpu, quant="dense"),
+            "cpu dense, xla attention": _structure(dataclasses.replace(cpu, attention="xla"),
+                                                   quant="dense"),
             "gpu dense on cuda": _structure(gpu, "cuda", quant="dense")}
 
 
@@ -84,7 +87,13 @@ def test_cuda_export_from_this_host_gives_the_cpu_lowerings_layer(counts):
     assert set(kernels) <= set(lowered.GPU_KERNEL_TARGETS), kernels
     if getattr(numerics_for("gpu"), "nf4_decode", "") == "kernel":
         assert kernels, "the GPU's numerics takes the NF4 kernel: custom calls per layer"
-    assert counts["cpu dense"]["layer"]["dots"] == counts["split on cuda"]["layer"]["dots"] - 7
+    assert (counts["cpu dense, xla attention"]["layer"]["dots"]
+            == counts["split on cuda"]["layer"]["dots"] - 7)
+    # the CPU's attention over filled columns weighs the step's own key and value elementwise
+    # where the XLA form takes a product of each
+    assert numerics_for("cpu").attention == "xla_blocks"
+    assert (counts["cpu dense"]["layer"]["dots"]
+            == counts["cpu dense, xla attention"]["layer"]["dots"] - 2)
 
 
 def test_the_nf4_forms_lower_for_cuda_and_the_kernels_are_custom_calls():
