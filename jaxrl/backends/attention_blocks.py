@@ -23,7 +23,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxrl.model.attention import EMPTY_LSE
+from jaxrl.model.attention import EMPTY_LSE, check_decode_inputs
 
 BLOCK = 128
 
@@ -34,13 +34,8 @@ def blocked_decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, layer: ja
     """Attention of q over layer `layer` of the stacked cache, row b's columns [0,
     lengths[b]) only, in blocks of `block` columns up to the fullest row (module
     docstring)."""
-    if k.ndim != 5 or v.shape != k.shape:
-        raise ValueError(f"k and v must be the same [L, B, K, S, D] stack: {k.shape}, {v.shape}")
+    check_decode_inputs(q, k, v, lengths)
     _, b, kv, s, d = k.shape
-    if q.ndim != 4 or q.shape[:2] != (b, kv) or q.shape[3] != d:
-        raise ValueError(f"q must be [B, K, M, D] = [{b}, {kv}, M, {d}]: {q.shape}")
-    if lengths.shape != (b,):
-        raise ValueError(f"lengths must be [B] = [{b}]: {lengths.shape}")
     m = q.shape[2]
     width = min(max(BLOCK, 8 * BLOCK // b) if block is None else block, s)
     lengths = jnp.clip(lengths.astype(jnp.int32), 0, s)

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxrl.model.attention import EMPTY_LSE
+from jaxrl.model.attention import EMPTY_LSE, check_decode_inputs
 
 # Query rows per dot: Triton's dot wants every dimension at least 16.
 _MIN_ROWS = 16
@@ -56,16 +56,6 @@ def _default_splits(b: int, kv: int, s: int, block_k: int) -> int:
     never so many that a full row's split has fewer than `_MIN_SPLIT_BLOCKS` blocks."""
     want = pl.cdiv(_TARGET_PROGRAMS, b * kv)
     return max(1, min(want, pl.cdiv(s, _MIN_SPLIT_BLOCKS * block_k)))
-
-
-def _check(q, k, v, lengths) -> None:
-    if k.ndim != 5 or v.shape != k.shape:
-        raise ValueError(f"k and v must be the same [L, B, K, S, D] stack: {k.shape}, {v.shape}")
-    _, b, kv, _, d = k.shape
-    if q.ndim != 4 or q.shape[:2] != (b, kv) or q.shape[3] != d:
-        raise ValueError(f"q must be [B, K, M, D] = [{b}, {kv}, M, {d}]: {q.shape}")
-    if lengths.shape != (b,):
-        raise ValueError(f"lengths must be [B] = [{b}]: {lengths.shape}")
 
 
 def _kernel(layer_ref, lengths_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *,
@@ -142,7 +132,7 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, layer: jax.Array,
     most S / (4 * block_k): Qwen3-4B decoding (K 8, S 8192) gets 32 splits of up to 256
     columns at batch 1, 1 split at batch 64. D and block_k must be powers of two of at least
     16. `interpret=True` runs the kernel in the Pallas interpreter (any backend)."""
-    _check(q, k, v, lengths)
+    check_decode_inputs(q, k, v, lengths)
     _, b, kv, s, d = k.shape
     m_rows = q.shape[2]
     if d < 16 or d & (d - 1):
@@ -192,7 +182,7 @@ def decode_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, layer: 
     """`decode_attention` in plain jnp (the contract in this module's docstring): every column
     of layer `layer` is scored and the columns at or past lengths[b] are masked; the softmax
     is normalized in float32 before its probabilities are rounded to q's dtype."""
-    _check(q, k, v, lengths)
+    check_decode_inputs(q, k, v, lengths)
     d = q.shape[-1]
     k_layer = jax.lax.dynamic_index_in_dim(k, layer, axis=0, keepdims=False)
     v_layer = jax.lax.dynamic_index_in_dim(v, layer, axis=0, keepdims=False)

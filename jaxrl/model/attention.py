@@ -161,6 +161,18 @@ def _attend(q: jax.Array, parts, mask: jax.Array) -> jax.Array:
     return out.reshape(b, t, h * d).astype(q.dtype)
 
 
+def check_decode_inputs(q, k, v, lengths) -> None:
+    """Raise ValueError unless q [B, K, M, D], k and v one [L, B, K, S, D] stack and lengths
+    [B] fit together (the decode-attention contract, jaxrl/backends/attention_gpu.py)."""
+    if k.ndim != 5 or v.shape != k.shape:
+        raise ValueError(f"k and v must be the same [L, B, K, S, D] stack: {k.shape}, {v.shape}")
+    _, b, kv, _, d = k.shape
+    if q.ndim != 4 or q.shape[:2] != (b, kv) or q.shape[3] != d:
+        raise ValueError(f"q must be [B, K, M, D] = [{b}, {kv}, M, {d}]: {q.shape}")
+    if lengths.shape != (b,):
+        raise ValueError(f"lengths must be [B] = [{b}]: {lengths.shape}")
+
+
 def merge(parts) -> tuple[jax.Array, jax.Array]:
     """The attention over the union of consecutive key ranges from each range's (out, lse):
     lse = logaddexp of the parts' lse, out = sum_i exp(lse_i - lse) * out_i, in float32.

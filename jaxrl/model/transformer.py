@@ -228,6 +228,20 @@ def _filled_attention(kernel, kv: AtLayer, index: jax.Array, prefix_index: jax.A
     return attention
 
 
+def _read_lengths(cache: KVCache, prefix: KVCache | None, reading: jax.Array | None):
+    """The columns a decode step's filled-columns attention reads: of each row's cache [B]
+    and of each block's prompt [B / R] (None without a prefix); none for rows not `reading`
+    (a block's prompt: none once none of its rows reads)."""
+    own = jnp.minimum(cache.index, cache.max_len)
+    shared = None if prefix is None else prefix.index
+    if reading is not None:
+        own = jnp.where(reading, own, 0)
+        if prefix is not None:
+            blocks = jnp.any(reading.reshape(prefix.index.shape[0], -1), axis=1)
+            shared = jnp.where(blocks, shared, 0)
+    return own, shared
+
+
 def cached_mask(attn_mask: jax.Array, t: int, start: jax.Array) -> jax.Array:
     """[B, T, S + T]: query t of row b (start [B]: the slots its row has filled) sees the valid
     cache slots s < start[b] and its call's tokens up to itself; attn_mask [B, S] marks valid
@@ -340,16 +354,10 @@ def hidden_states(params: Params, tokens: jax.Array, positions: jax.Array, spec:
     if prefix is not None:
         kv += (prefix.k, prefix.v)
     stacks = None  # the caches a kernel indexes itself where the loop would slice them
-    if kernel is not None:  # the columns the kernel reads of each row and block prompt
-        read = [jnp.minimum(cache.index, cache.max_len),
-                None if prefix is None else prefix.index]
-        if reading is not None:
-            read[0] = jnp.where(reading, read[0], 0)
-            if prefix is not None:
-                blocks = jnp.any(reading.reshape(prefix.index.shape[0], -1), axis=1)
-                read[1] = jnp.where(blocks, read[1], 0)
-    if kernel is not None and not numerics.in_place_layers:
-        stacks, kv = kv, jnp.arange(spec.num_layers, dtype=jnp.int32)
+    if kernel is not None:
+        read = _read_lengths(cache, prefix, reading)
+        if not numerics.in_place_layers:
+            stacks, kv = kv, jnp.arange(spec.num_layers, dtype=jnp.int32)
 
     def layer(h, lp, proj, kv):
         if kernel is not None:

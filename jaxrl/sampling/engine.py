@@ -107,12 +107,10 @@ class Engine:
         # >0: an early-stopping chunk (the CPU's) also ends once this many slots are free, for
         # a caller that fills them a group at a time (jaxrl/rl/partial.py)
         self.refill = 0
-        # an early-stopping chunk (the CPU's) polls the host each step and ends after the step
-        # once `interrupt` was called; off where nothing arrives mid-chunk (rollouts), since
-        # the poll is a host callback per decode step (a server turns it on)
+        # an early-stopping chunk (the CPU's) polls the host each step (`interrupt`): a host
+        # callback per step, so only a server's engine, where requests come mid-chunk
         self.interruptible = False
-        # called at the start of every step: submits requests that wait outside the engine
-        # (a local judge's, jaxrl/rewards/local_judge.py)
+        # called as every step starts: submits requests waiting outside (a local judge's)
         self.feed: Callable[[], None] | None = None
 
     def submit(self, request: Request) -> Request:
@@ -202,18 +200,15 @@ class Engine:
         starts; one decoding is dropped before the next step decodes, its slot freed; no token
         decoded for it after this call is handed to it or counted. It then finishes with
         finish_reason "cancelled" (on_done is called on the engine's thread). A request that
-        has finished already is left as it is. An early-stopping chunk in flight (the CPU's)
-        ends at its next step (`interrupt`)."""
+        has finished already is left as it is. The chunk in flight ends early (`interrupt`)."""
         request.cancelled = True
         self.interrupt()
 
     @staticmethod
     def interrupt() -> None:
-        """Have the decode chunk in flight end at its next step where the numerics' chunk can
-        (the CPU's early-stopping one; GPUs and TPUs run theirs whole), so that what changed
-        meanwhile (a cancel, a request waiting outside the engine) is served a step later
-        rather than a chunk later; callable from any thread. The tokens are those of a whole
-        chunk either way."""
+        """End the decode chunk in flight after its step where it can (an `interruptible`
+        engine's early-stopping chunk, the CPU's), so what changed meanwhile is served a step
+        later, not a chunk later; callable from any thread."""
         interrupt_chunks()
 
     def _drop_cancelled(self) -> None:

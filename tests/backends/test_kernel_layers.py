@@ -15,7 +15,8 @@ from jaxrl.model.transformer import hidden_states
 from tests.sharding.common import SPEC, quantized_model
 
 KERNELS = dataclasses.replace(numerics_for("gpu"), interpret=True)
-# the XLA loop over blocks of filled columns, 8-column blocks so that 32 columns take several
+# the XLA loop over blocks of filled columns (BLOCK 8 below: 16-column blocks for 4 rows, so
+# that 32 columns take several)
 BLOCKS = dataclasses.replace(REFERENCE, attention="xla_blocks")
 
 
